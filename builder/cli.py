@@ -1,0 +1,101 @@
+"""The ``vllm-overlay`` command: parse arguments, call the library, report.
+
+Exit codes: 0 success, 1 a check that did not pass, 2 bad input (one line,
+naming the file, member, hunk or field; no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from builder.errors import OverlayError
+
+DEFAULT_RECIPE = "recipes/v41-sm120.yaml"
+
+
+def _load(recipe_path: str):  # noqa: ANN202
+    from builder.members import load_recipe_members
+    from builder.recipe import load_recipe
+    from builder.tree import pinned_tree
+
+    recipe = load_recipe(recipe_path)
+    members = load_recipe_members(recipe)
+    return recipe, members, pinned_tree(recipe.vllm)
+
+
+def cmd_key(args: argparse.Namespace) -> int:
+    from builder.key import runtime_key, short_key
+    from builder.members import load_recipe_members
+    from builder.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    key = runtime_key(recipe, load_recipe_members(recipe))
+    print(short_key(key) if args.short else key)
+    return 0
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    from builder.apply import apply_members
+    from builder.key import runtime_key
+    from builder.output import manifest, write_full_tree, write_overlay
+
+    recipe, members, tree = _load(args.recipe)
+    overlay = apply_members(tree, members)
+    key = runtime_key(recipe, members)
+    data = manifest(recipe, overlay, key)
+    for result in overlay.results:
+        for o in result.offsets:
+            print(f"{result.member.name}: {o.path} hunk {o.hunk.number} applied with offset {o.offset:+d} lines", file=sys.stderr)
+        print(f"applied {result.member.name}", file=sys.stderr)
+    if args.out:
+        write_overlay(Path(args.out), overlay, data)
+        print(f"wrote {len(overlay.changes)} touched files and manifest.json to {args.out}", file=sys.stderr)
+    if args.full_tree:
+        write_full_tree(Path(args.full_tree), tree, overlay, data)
+        print(f"wrote the full patched tree to {args.full_tree}", file=sys.stderr)
+    print(key)
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from builder.check import check_overlay, render_table
+
+    _, members, tree = _load(args.recipe)
+    report = check_overlay(tree, members)
+    print(json.dumps(report.to_json(), indent=2) if args.json else render_table(report))
+    return 0 if report.ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-overlay", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, func, help: str) -> argparse.ArgumentParser:  # noqa: ANN001, A002
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE, help=f"recipe YAML (default {DEFAULT_RECIPE})")
+        p.set_defaults(func=func)
+        return p
+
+    p = command("key", cmd_key, "print the recipe's runtime key")
+    p.add_argument("--short", action="store_true", help="print the 16-digit form used in tags")
+    p = command("apply", cmd_apply, "apply the members onto the pinned tree and write the overlay")
+    p.add_argument("--out", metavar="DIR", help="write the touched files and manifest.json here")
+    p.add_argument("--full-tree", metavar="DIR", help="write the complete patched tree here")
+    p = command("check", cmd_check, "say of each member whether it applies to the unpatched tree")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except OverlayError as exc:
+        print(f"vllm-overlay: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("vllm-overlay: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,343 @@
+"""Members: parse and validate ``overlay/<name>.patch`` (a DEP-3 header, then a git diff).
+
+unidiff reads the diff; because it silently drops lines past a hunk's counts
+and ignores malformed hunk headers, a strict structural walk runs first and
+refuses anything it would not account for.  The result is a Member whose file
+patches carry exact bytes (line endings and missing final newlines kept).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AnyStr
+
+import unidiff
+
+from builder.errors import InputError
+from builder.recipe import MEMBER_NAME_RE, Recipe
+
+# DEP-3 fields plus the Yocto Upstream-Status and our Standalone flag.
+SINGLE_FIELDS = {"Description", "Origin", "Author", "Forwarded", "Applied-Upstream", "Last-Update", "Upstream-Status", "Standalone"}
+REPEATABLE_FIELDS = {"Bug", "Reviewed-by"}
+UPSTREAM_STATUS_RE = re.compile(r"Pending|Backport|Denied|Inactive-Upstream|Submitted \[[^\]\s][^\]]*\]|Inappropriate \[[^\]\s][^\]]*\]")
+DATE_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
+HUNK_HEADER_RE = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@(?: .*)?")
+# Extended header lines git writes between "diff --git" and the first hunk.
+GIT_HEADER_PREFIXES = ("index ", "--- ", "+++ ", "new file mode ", "deleted file mode ", "old mode ", "new mode ",
+                       "similarity index ", "dissimilarity index ", "rename from ", "rename to ", "copy from ", "copy to ")
+UNSUPPORTED_HEADERS = {"rename from ": "a rename", "copy from ": "a copy", "old mode ": "a mode change"}
+NO_NEWLINE = "\\"
+
+
+@dataclass(frozen=True)
+class Hunk:
+    number: int  # 1-based within its file
+    old_start: int
+    old_len: int
+    new_start: int
+    new_len: int
+    lines: tuple[tuple[str, bytes], ...]  # (" " | "-" | "+", exact bytes of the line)
+
+    @property
+    def header(self) -> str:
+        return f"@@ -{self.old_start},{self.old_len} +{self.new_start},{self.new_len} @@"
+
+    @property
+    def old_lines(self) -> list[bytes]:
+        return [text for kind, text in self.lines if kind != "+"]
+
+    @property
+    def new_lines(self) -> list[bytes]:
+        return [text for kind, text in self.lines if kind != "-"]
+
+    @property
+    def leading_context(self) -> int:
+        n = 0
+        for kind, _ in self.lines:
+            if kind != " ":
+                break
+            n += 1
+        return n
+
+    @property
+    def trailing_context(self) -> int:
+        n = 0
+        for kind, _ in reversed(self.lines):
+            if kind != " ":
+                break
+            n += 1
+        return n
+
+    def reversed(self) -> Hunk:
+        swap = {" ": " ", "-": "+", "+": "-"}
+        return Hunk(self.number, self.new_start, self.new_len, self.old_start, self.old_len,
+                    tuple((swap[k], t) for k, t in self.lines))
+
+
+@dataclass(frozen=True)
+class FilePatch:
+    old_path: str | None  # None: a new file
+    new_path: str | None  # None: a deletion
+    new_mode: str | None
+    hunks: tuple[Hunk, ...]
+
+    @property
+    def path(self) -> str:
+        return self.new_path or self.old_path  # type: ignore[return-value]
+
+    def reversed(self) -> FilePatch:
+        return FilePatch(self.new_path, self.old_path, None, tuple(h.reversed() for h in self.hunks))
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str
+    path: Path
+    fields: dict[str, list[str]] = field(compare=False)
+    files: tuple[FilePatch, ...]
+    normalized: bytes = field(repr=False)
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the normalized diff: the member's identity in the runtime key."""
+        return hashlib.sha256(self.normalized).hexdigest()
+
+    @property
+    def standalone(self) -> bool:
+        return self.fields.get("Standalone", ["no"])[0] == "yes"
+
+    @property
+    def upstream_status(self) -> str:
+        return self.fields["Upstream-Status"][0]
+
+    def reversed(self) -> Member:
+        return Member(self.name, self.path, self.fields, tuple(f.reversed() for f in self.files), self.normalized)
+
+
+class MemberError(InputError):
+    pass
+
+
+def split_lines(text: AnyStr) -> list[AnyStr]:
+    """Split on "\n" only, keeping it: a "\r" or form feed is part of a line, as in git."""
+    newline = "\n" if isinstance(text, str) else b"\n"
+    parts = text.split(newline)  # type: ignore[arg-type]
+    lines = [part + newline for part in parts[:-1]]
+    if parts[-1]:
+        lines.append(parts[-1])
+    return lines
+
+
+def load_member(path: Path, name: str | None = None) -> Member:
+    """Parse ``path``; ``name`` (from the recipe) must match ``[a-z0-9_]+`` and the file name."""
+    stem = path.name[: -len(".patch")] if path.name.endswith(".patch") else path.name
+    name = name if name is not None else stem
+    where = f"{path}: member {name}"
+    if not MEMBER_NAME_RE.fullmatch(name):
+        raise MemberError(f"{path}: member name {name!r} does not match [a-z0-9_]+")
+    if stem != name or not path.name.endswith(".patch"):
+        raise MemberError(f"{where}: file name must be {name}.patch")
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise MemberError(f"{where}: no such member file") from None
+    except OSError as exc:
+        raise MemberError(f"{where}: cannot read: {exc}") from None
+    text = data.decode("utf-8", "surrogateescape")
+    lines = split_lines(text)
+    start = next((i for i, line in enumerate(lines) if line.startswith("diff --git ")), None)
+    if start is None:
+        raise MemberError(f"{where}: no git-style diff (no line starts with 'diff --git ')")
+    fields = _parse_header(lines[:start], where)
+    _check_structure(lines, start, where)
+    files = _file_patches(lines[start:], where)
+    return Member(name, path, fields, files, _normalize(files))
+
+
+def _parse_header(lines: list[str], where: str) -> dict[str, list[str]]:
+    fields: dict[str, list[str]] = {}
+    last: str | None = None
+    for number, raw in enumerate(lines, start=1):
+        line = raw.rstrip("\r\n")
+        if not line.strip():
+            last = None
+            continue
+        if line[0] in " \t":
+            if last is None:
+                raise MemberError(f"{where}: header line {number}: continuation line with no field before it")
+            fields[last][-1] += "\n" + line.strip()
+            continue
+        match = re.fullmatch(r"([A-Za-z][A-Za-z0-9-]*):[ \t]*(.*)", line)
+        if not match:
+            raise MemberError(f"{where}: header line {number}: expected 'Field: value', got {line[:60]!r}")
+        name, value = match.group(1), match.group(2).strip()
+        if name not in SINGLE_FIELDS and name not in REPEATABLE_FIELDS:
+            raise MemberError(f"{where}: header line {number}: unknown field {name!r}")
+        if name in SINGLE_FIELDS and name in fields:
+            raise MemberError(f"{where}: header line {number}: field {name!r} given twice")
+        fields.setdefault(name, []).append(value)
+        last = name
+    _check_fields(fields, where)
+    return fields
+
+
+def _check_fields(fields: dict[str, list[str]], where: str) -> None:
+    if not fields.get("Description", [""])[0].strip():
+        raise MemberError(f"{where}: header: missing Description")
+    if "Origin" not in fields and "Author" not in fields:
+        raise MemberError(f"{where}: header: needs an Origin or an Author field")
+    status = fields.get("Upstream-Status")
+    if status is None:
+        raise MemberError(f"{where}: header: missing Upstream-Status")
+    if not UPSTREAM_STATUS_RE.fullmatch(status[0]):
+        raise MemberError(
+            f"{where}: header: malformed Upstream-Status {status[0]!r} (expected Pending, Submitted [where], "
+            "Backport, Denied, Inactive-Upstream or Inappropriate [reason])"
+        )
+    if "Last-Update" in fields and not DATE_RE.fullmatch(fields["Last-Update"][0]):
+        raise MemberError(f"{where}: header: malformed Last-Update {fields['Last-Update'][0]!r} (expected YYYY-MM-DD)")
+    if "Standalone" in fields and fields["Standalone"][0] not in ("yes", "no"):
+        raise MemberError(f"{where}: header: Standalone must be 'yes' or 'no', got {fields['Standalone'][0]!r}")
+    for name, values in fields.items():
+        if any(not value.strip() for value in values):
+            raise MemberError(f"{where}: header: field {name!r} is empty")
+
+
+def _check_structure(lines: list[str], start: int, where: str) -> None:
+    """Walk the diff as git apply would and refuse every line it would not account for."""
+    old_left = new_left = 0
+    in_hunk = False
+    file_label = "?"
+    hunk_no = 0
+    for index in range(start, len(lines)):
+        number = index + 1
+        line = lines[index].rstrip("\n")
+        if line.endswith("\r") and not in_hunk:
+            line = line[:-1]
+        here = f"{where}: line {number}"
+        if in_hunk and (old_left or new_left):
+            kind = line[:1]
+            if kind == NO_NEWLINE:
+                continue
+            if kind in (" ", "") :
+                old_left -= 1
+                new_left -= 1
+            elif kind == "-":
+                old_left -= 1
+            elif kind == "+":
+                new_left -= 1
+            else:
+                raise MemberError(f"{here}: hunk {hunk_no} of {file_label} is shorter than its header says")
+            if old_left < 0 or new_left < 0:
+                raise MemberError(f"{here}: hunk {hunk_no} of {file_label} has more lines than its header says")
+            continue
+        if line.startswith("diff --git "):
+            in_hunk = False
+            hunk_no = 0
+            file_label = line[len("diff --git "):].split(" ")[0].removeprefix("a/")
+            continue
+        if line.startswith("@@"):
+            match = HUNK_HEADER_RE.fullmatch(line)
+            if not match:
+                raise MemberError(f"{here}: malformed hunk header {line[:80]!r}")
+            old_left = int(match.group(2) or 1) if match.group(2) != "0" else 0
+            new_left = int(match.group(4) or 1) if match.group(4) != "0" else 0
+            if old_left == new_left == 0:
+                raise MemberError(f"{here}: hunk header {line!r} has no lines")
+            in_hunk = True
+            hunk_no += 1
+            continue
+        if in_hunk:
+            if line.startswith(NO_NEWLINE):
+                continue
+            raise MemberError(f"{here}: hunk {hunk_no} of {file_label} has more lines than its header says")
+        if line.startswith("GIT binary patch") or line.startswith("Binary files "):
+            raise MemberError(f"{here}: {file_label}: binary diffs are not supported")
+        for prefix, what in UNSUPPORTED_HEADERS.items():
+            if line.startswith(prefix):
+                raise MemberError(f"{here}: {file_label}: {what} is not supported (write a deletion and a new file)")
+        if not line.startswith(GIT_HEADER_PREFIXES):
+            raise MemberError(f"{here}: unexpected line in the header of {file_label}: {line[:60]!r}")
+    if in_hunk and (old_left or new_left):
+        raise MemberError(f"{where}: line {len(lines)}: hunk {hunk_no} of {file_label} is shorter than its header says")
+
+
+def _tree_path(raw: str, prefix: str, where: str) -> str | None:
+    if raw == "/dev/null":
+        return None
+    if "\0" in raw:
+        raise MemberError(f"{where}: path {raw!r} contains a NUL byte")
+    if not raw.startswith(prefix):
+        raise MemberError(f"{where}: path {raw!r} lacks the git prefix {prefix!r}")
+    path = raw[len(prefix):]
+    parts = path.split("/")
+    if not path or path.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in path:
+        raise MemberError(f"{where}: path {path!r} is outside the tree (absolute, '..', or empty parts)")
+    return path
+
+
+def _file_patches(diff_lines: list[str], where: str) -> tuple[FilePatch, ...]:
+    try:
+        patch_set = unidiff.PatchSet(diff_lines)
+    except unidiff.UnidiffParseError as exc:
+        raise MemberError(f"{where}: malformed diff: {exc}") from None
+    files: list[FilePatch] = []
+    seen: set[str] = set()
+    for patched in patch_set:
+        info = [str(line) for line in patched.patch_info]
+        new_mode = next((l.split()[-1] for l in info if l.startswith("new file mode ")), None)
+        if new_mode is not None and new_mode not in ("100644", "100755"):
+            raise MemberError(f"{where}: {patched.path}: file mode {new_mode} is not supported (symlinks and submodules are refused)")
+        old_path = _tree_path(patched.source_file, "a/", where)
+        new_path = _tree_path(patched.target_file, "b/", where)
+        if old_path is None and new_path is None:
+            raise MemberError(f"{where}: a file patch has /dev/null on both sides")
+        if old_path and new_path and old_path != new_path:
+            raise MemberError(f"{where}: {old_path} -> {new_path}: renames are not supported")
+        path = new_path or old_path
+        diff_line = info[0].strip() if info else ""
+        if diff_line != f"diff --git a/{path} b/{path}":
+            raise MemberError(f"{where}: {path}: 'diff --git' line does not name the same path: {diff_line[:80]!r}")
+        if path in seen:
+            raise MemberError(f"{where}: {path} is patched twice in one member")
+        seen.add(path)
+        if not len(patched):
+            raise MemberError(f"{where}: {path}: no hunks")
+        files.append(FilePatch(old_path, new_path, new_mode, tuple(_hunk(h, i) for i, h in enumerate(patched, 1))))
+    return tuple(files)
+
+
+def _hunk(hunk: unidiff.Hunk, number: int) -> Hunk:
+    lines: list[tuple[str, bytes]] = []
+    for line in hunk:
+        if line.line_type == NO_NEWLINE:
+            kind, text = lines[-1]
+            lines[-1] = (kind, text[:-1] if text.endswith(b"\n") else text)
+            continue
+        lines.append((line.line_type, line.value.encode("utf-8", "surrogateescape")))
+    return Hunk(number, hunk.source_start, hunk.source_length, hunk.target_start, hunk.target_length, tuple(lines))
+
+
+def _normalize(files: tuple[FilePatch, ...]) -> bytes:
+    """The diff re-rendered canonically: no header prose, timestamps, index lines or section text."""
+    out = bytearray()
+    for fp in files:
+        if fp.new_mode:
+            out += f"new file mode {fp.new_mode}\n".encode()
+        out += f"--- {'a/' + fp.old_path if fp.old_path else '/dev/null'}\n".encode("utf-8", "surrogateescape")
+        out += f"+++ {'b/' + fp.new_path if fp.new_path else '/dev/null'}\n".encode("utf-8", "surrogateescape")
+        for hunk in fp.hunks:
+            out += hunk.header.encode() + b"\n"
+            for kind, text in hunk.lines:
+                out += kind.encode() + text
+                if not text.endswith(b"\n"):
+                    out += b"\n\\ No newline at end of file\n"
+    return bytes(out)
+
+
+def load_recipe_members(recipe: Recipe) -> tuple[Member, ...]:
+    """The recipe's members, in its order, each parsed and validated."""
+    return tuple(load_member(recipe.member_path(name), name) for name in recipe.members)

@@ -1,0 +1,104 @@
+"""Output: the overlay set on disk, as touched files plus manifest.json, or as a full tree.
+
+Both are written into a temporary sibling directory and renamed into place,
+so an interrupted run leaves the previous output (or none), never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from builder import __version__
+from builder.apply import OverlaySet
+from builder.errors import InputError
+from builder.recipe import Recipe
+from builder.tree import Tree
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+
+
+def manifest(recipe: Recipe, overlay: OverlaySet, key: str) -> dict[str, Any]:
+    def pin(p):  # noqa: ANN001, ANN202
+        return {"project": p.project, "version": p.version, "wheel": p.wheel, "sha256": p.sha256}
+
+    return {
+        "format": MANIFEST_FORMAT,
+        "builder": __version__,
+        "recipe": recipe.name,
+        "runtime_key": key,
+        "pins": {"vllm": pin(recipe.vllm), "flashinfer": pin(recipe.flashinfer)},
+        "members": [
+            {"name": m.name, "diff_sha256": m.digest, "upstream_status": m.upstream_status, "standalone": m.standalone}
+            for m in overlay.members
+        ],
+        "files": [
+            {"path": c.path, "before_sha256": c.before_sha256, "after_sha256": c.after_sha256, "members": list(c.members)}
+            for c in overlay.changes
+        ],
+    }
+
+
+def manifest_bytes(data: dict[str, Any]) -> bytes:
+    return (json.dumps(data, indent=2, sort_keys=False) + "\n").encode()
+
+
+def write_overlay(out: Path, overlay: OverlaySet, manifest_data: dict[str, Any]) -> None:
+    """Only the touched files (a deleted file is just absent) plus manifest.json."""
+    with _replacing(out) as tmp:
+        for change in overlay.changes:
+            if change.after is not None:
+                _write_file(tmp / change.path, change.after, change.mode)
+        (tmp / MANIFEST).write_bytes(manifest_bytes(manifest_data))
+
+
+def write_full_tree(out: Path, tree: Tree, overlay: OverlaySet, manifest_data: dict[str, Any]) -> None:
+    changes = overlay.by_path()
+    with _replacing(out) as tmp:
+        for path, data, mode in tree.walk():
+            if path not in changes:
+                _write_file(tmp / path, data, mode)
+        for change in overlay.changes:
+            if change.after is not None:
+                _write_file(tmp / change.path, change.after, change.mode)
+        (tmp / MANIFEST).write_bytes(manifest_bytes(manifest_data))
+
+
+def _write_file(dest: Path, data: bytes, mode: int | None) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_bytes(data)
+    if mode is not None:
+        dest.chmod(mode)
+
+
+class _replacing:
+    """Context manager: yield a temp dir beside ``out``; on success swap it in for ``out``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def __enter__(self) -> Path:
+        out = self.out
+        if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / MANIFEST).is_file())):
+            raise InputError(f"{out}: exists and is not an earlier vllm-overlay output; refusing to replace it")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:  # noqa: ANN001
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        self.tmp.chmod(0o755)
+        old = None
+        if self.out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old.", dir=self.out.parent))
+            os.replace(self.out, old / "x")
+        os.replace(self.tmp, self.out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

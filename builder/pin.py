@@ -1,0 +1,200 @@
+"""Pin: fetch a pinned wheel once, verify its sha256, keep it in a content-addressed cache.
+
+Layout under the cache root::
+
+    wheels/<sha256>/<wheel file name>   the verified wheel (written to a temp name, renamed)
+    verified.json                       path -> (size, mtime_ns, sha256) of files already hashed
+
+The memo lets a warm run trust a wheel it has hashed before without reading
+336 MB again; any change of size or mtime makes it hash again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import zipfile
+from pathlib import Path
+from typing import Callable, TextIO
+
+from builder.errors import InputError, OverlayError
+from builder.recipe import WheelPin
+
+CHUNK = 1 << 20
+
+
+def cache_root() -> Path:
+    """$VLLM_OVERLAY_CACHE, else $XDG_CACHE_HOME/vllm-overlay, else ~/.cache/vllm-overlay."""
+    explicit = os.environ.get("VLLM_OVERLAY_CACHE")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) / "vllm-overlay" if xdg else Path.home() / ".cache" / "vllm-overlay"
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write to a temp name beside ``path`` and rename: readers see old or new, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class HashMemo:
+    """sha256 of files, remembered by (path, size, mtime_ns) in ``verified.json``."""
+
+    def __init__(self, root: Path) -> None:
+        self.file = root / "verified.json"
+        try:
+            self.entries: dict[str, list] = json.loads(self.file.read_text())
+        except (OSError, ValueError):
+            self.entries = {}
+
+    def sha256(self, path: Path) -> str:
+        st = path.stat()
+        key = str(path.resolve())
+        entry = self.entries.get(key)
+        if entry and entry[0] == st.st_size and entry[1] == st.st_mtime_ns:
+            return entry[2]
+        digest = sha256_file(path)
+        self.remember(path, digest)
+        return digest
+
+    def remember(self, path: Path, digest: str) -> None:
+        st = path.stat()
+        self.entries[str(path.resolve())] = [st.st_size, st.st_mtime_ns, digest]
+        try:
+            atomic_write(self.file, json.dumps(self.entries, indent=0, sort_keys=True).encode())
+        except OSError:
+            pass  # a read-only cache only costs a re-hash next time
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_zip(path: Path, label: str) -> None:
+    """A wheel must open as a zip (reads the central directory only)."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            zf.infolist()
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise InputError(f"{label}: not a valid wheel (zip): {exc}") from None
+
+
+def pinned_wheel(pin: WheelPin, *, root: Path | None = None, progress: TextIO | None = sys.stderr) -> Path:
+    """Path of the verified wheel for ``pin``, downloading it on first use.
+
+    A local ``pin.path`` wheel is verified in place (its hash remembered); a
+    directory is returned as it is (a source checkout has no wheel hash).
+    """
+    root = root or cache_root()
+    memo = HashMemo(root)
+    label = f"{pin.project} {pin.version} ({pin.wheel})"
+    if pin.path is not None:
+        if pin.path.is_dir():
+            return pin.path
+        if not pin.path.is_file():
+            raise InputError(f"{pin.project}.path: {pin.path}: no such wheel file or directory")
+        _expect(pin, memo.sha256(pin.path), str(pin.path))
+        check_zip(pin.path, str(pin.path))
+        return pin.path
+
+    dest = root / "wheels" / pin.sha256 / pin.wheel
+    if dest.is_file():
+        if memo.sha256(dest) == pin.sha256:
+            return dest
+        dest.unlink()  # a damaged cache entry is replaced, never trusted
+    url = pin.url or resolve_from_index(pin)
+    _download(url, dest, pin, label, progress)
+    memo.remember(dest, pin.sha256)
+    return dest
+
+
+def _expect(pin: WheelPin, actual: str, where: str) -> None:
+    if actual != pin.sha256:
+        raise InputError(f"{pin.project}.sha256: {where} has sha256 {actual}, the pin says {pin.sha256}")
+
+
+def resolve_from_index(pin: WheelPin) -> str:
+    """Find the wheel's URL in a PEP 691 (JSON) simple index."""
+    base = pin.index.rstrip("/")
+    page = f"{base}/{pin.project}/"
+    req = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            listing = json.load(resp)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise OverlayError(f"{pin.project}: cannot read the package index {page}: {exc}") from None
+    for entry in listing.get("files", []):
+        if entry.get("filename") == pin.wheel:
+            return urllib.parse.urljoin(page, entry["url"])
+    raise InputError(f"{pin.project}.wheel: {pin.wheel} is not listed on {page}")
+
+
+def _download(url: str, dest: Path, pin: WheelPin, label: str, progress: TextIO | None) -> None:
+    """Stream ``url`` to a temp file beside ``dest``, hashing as it goes; rename only when verified."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+    tmp = Path(tmp_name)
+    try:
+        h = hashlib.sha256()
+        got = 0
+        try:
+            with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=60) as resp:
+                total = int(resp.headers.get("Content-Length") or 0)
+                report = _progress_reporter(label, total, progress)
+                while chunk := resp.read(CHUNK):
+                    out.write(chunk)
+                    h.update(chunk)
+                    got += len(chunk)
+                    report(got)
+                report(got, final=True)
+        except http.client.IncompleteRead:
+            got = -1  # the server closed early: reported as truncated below
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+            raise OverlayError(f"{pin.project}: download of {url} failed: {exc}") from None
+        if got < 0 or (total and got != total):
+            raise InputError(f"{pin.project}: download of {url} is truncated (got fewer than {total} bytes)")
+        _expect(pin, h.hexdigest(), url)
+        check_zip(tmp, f"{pin.project}: {url}")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+        try:
+            dest.parent.rmdir()  # leaves nothing behind when the download failed
+        except OSError:
+            pass
+
+
+def _progress_reporter(label: str, total: int, stream: TextIO | None) -> Callable[..., None]:
+    last = [0.0]
+
+    def report(done: int, final: bool = False) -> None:
+        if stream is None:
+            return
+        now = time.monotonic()
+        if not final and now - last[0] < 0.5:
+            return
+        last[0] = now
+        size = f"{done / 1e6:.1f}/{total / 1e6:.1f} MB ({100 * done / total:.0f}%)" if total else f"{done / 1e6:.1f} MB"
+        print(f"download {label}: {size}{' done' if final else ''}", file=stream, flush=True)
+
+    return report

@@ -1,0 +1,240 @@
+"""Recipe: the pinned trees, image settings and ordered member list, validated up front.
+
+Every field is checked before anything else runs, and an error names the field
+by its dotted path (``vllm.sha256``) so a user can find it in the YAML.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from builder.errors import InputError
+
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
+# PEP 440 public versions, the forms pins actually use (1.2.3, 0.6.18.post1, 0.7.0rc1).
+VERSION_RE = re.compile(r"\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?")
+MEMBER_NAME_RE = re.compile(r"[a-z0-9_]+")
+RECIPE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]*")
+WHEEL_NAME_RE = re.compile(r"[A-Za-z0-9_.+-]+\.whl")
+URL_RE = re.compile(r"(https?|file)://[^\s'\"\\`$;|&<>(){}]+")
+# A container image reference: [registry[:port]/]path[:tag][@sha256:digest].
+IMAGE_REF_RE = re.compile(
+    r"[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*"
+    r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?"
+)
+REPOSITORY_RE = re.compile(r"[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*")
+CUDA_VERSION_RE = re.compile(r"\d+\.\d+(\.\d+)?")
+ARCH_LIST_RE = re.compile(r"\d+\.\d+a?(\+PTX)?([ ;]\d+\.\d+a?(\+PTX)?)*")
+PYTHON_VERSION_RE = re.compile(r"3\.\d+")
+
+
+@dataclass(frozen=True)
+class WheelPin:
+    """A wheel pinned by version and sha256; ``url`` or ``index`` say where to fetch it."""
+
+    project: str
+    version: str
+    wheel: str
+    sha256: str
+    url: str | None = None
+    index: str = "https://pypi.org/simple"
+    path: Path | None = None  # a local wheel file or source directory, for work from a clone
+
+
+@dataclass(frozen=True)
+class ImageSettings:
+    base: str
+    cuda: str
+    torch_cuda_arch_list: str
+    flashinfer_cuda_arch_list: str
+    python: str
+    repository: str
+
+
+@dataclass(frozen=True)
+class Recipe:
+    path: Path
+    name: str
+    vllm: WheelPin
+    flashinfer: WheelPin
+    image: ImageSettings
+    members: tuple[str, ...]
+    overlay_dir: Path
+    raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    def member_path(self, name: str) -> Path:
+        return self.overlay_dir / f"{name}.patch"
+
+
+# ---------------------------------------------------------------- validation
+
+
+class _Field:
+    """One field of the schema: its check, and whether it may be left out."""
+
+    def __init__(self, check: Callable[[str, Any], Any], required: bool = True) -> None:
+        self.check = check
+        self.required = required
+
+
+def _string(pattern: re.Pattern[str] | None = None, expected: str = "") -> Callable[[str, Any], str]:
+    def check(where: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise _FieldError(where, f"expected a string{' (quote it)' if isinstance(value, (int, float)) else ''}, got {_show(value)}")
+        if pattern is not None and not pattern.fullmatch(value):
+            raise _FieldError(where, f"expected {expected}, got {value!r}")
+        return value
+
+    return check
+
+
+def _members(where: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise _FieldError(where, f"expected a list of member names, got {_show(value)}")
+    seen: set[str] = set()
+    for i, name in enumerate(value):
+        item = f"{where}[{i}]"
+        if not isinstance(name, str) or not MEMBER_NAME_RE.fullmatch(name):
+            raise _FieldError(item, f"expected a member name matching [a-z0-9_]+, got {_show(name)}")
+        if name in seen:
+            raise _FieldError(item, f"duplicate member {name!r}")
+        seen.add(name)
+    return tuple(value)
+
+
+def _mapping(schema: dict[str, _Field]) -> Callable[[str, Any], dict[str, Any]]:
+    def check(where: str, value: Any) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise _FieldError(where or "(top level)", f"expected a mapping, got {_show(value)}")
+        prefix = f"{where}." if where else ""
+        for key in value:
+            if key not in schema:
+                raise _FieldError(f"{prefix}{key}", f"unknown field (expected one of: {', '.join(schema)})")
+        out: dict[str, Any] = {}
+        for key, spec in schema.items():
+            if key not in value:
+                if spec.required:
+                    raise _FieldError(f"{prefix}{key}", "missing required field")
+                continue
+            out[key] = spec.check(f"{prefix}{key}", value[key])
+        return out
+
+    return check
+
+
+_SHA256 = _string(SHA256_RE, "64 lowercase hex digits")
+_VERSION = _string(VERSION_RE, "a version like 0.30.0 or 0.6.18.post1")
+_URL = _string(URL_RE, "an http(s):// or file:// URL without spaces or shell characters")
+_PATH = _string(re.compile(r"[^\0\n]+"), "a path")
+
+
+def _pin_schema(wheel_required: bool) -> dict[str, _Field]:
+    return {
+        "version": _Field(_VERSION),
+        "wheel": _Field(_string(WHEEL_NAME_RE, "a wheel file name ending in .whl"), required=wheel_required),
+        "sha256": _Field(_SHA256),
+        "url": _Field(_URL, required=False),
+        "index": _Field(_URL, required=False),
+        "path": _Field(_PATH, required=False),
+    }
+
+
+RECIPE_SCHEMA = _mapping(
+    {
+        "name": _Field(_string(RECIPE_NAME_RE, "a name matching [a-z0-9][a-z0-9._-]*")),
+        "vllm": _Field(_mapping(_pin_schema(wheel_required=True))),
+        "flashinfer": _Field(_mapping(_pin_schema(wheel_required=True))),
+        "image": _Field(
+            _mapping(
+                {
+                    "base": _Field(_string(IMAGE_REF_RE, "an image reference like nvidia/cuda:12.8.1-devel-ubuntu24.04[@sha256:...]")),
+                    "cuda": _Field(_string(CUDA_VERSION_RE, "a CUDA version like 12.8.1")),
+                    "torch_cuda_arch_list": _Field(_string(ARCH_LIST_RE, "an arch list like 12.0")),
+                    "flashinfer_cuda_arch_list": _Field(_string(ARCH_LIST_RE, "an arch list like 12.0a")),
+                    "python": _Field(_string(PYTHON_VERSION_RE, "a Python version like 3.12")),
+                    "repository": _Field(_string(REPOSITORY_RE, "an image repository like ghcr.io/org/vllm-overlay")),
+                }
+            )
+        ),
+        "members": _Field(_members),
+        "overlay": _Field(_PATH, required=False),
+    }
+)
+
+
+class _FieldError(Exception):
+    def __init__(self, where: str, what: str) -> None:
+        super().__init__(f"{where}: {what}")
+
+
+def _show(value: Any) -> str:
+    kind = {dict: "a mapping", list: "a list", bool: "a boolean", type(None): "nothing"}.get(type(value))
+    return kind or f"{type(value).__name__} {value!r}"
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """The safe loader, refusing duplicate keys (PyYAML silently keeps the last)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    keys: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in keys:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        keys.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe; any problem is an InputError naming the field path."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{path}: recipe not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read recipe: {exc}") from None
+    try:
+        raw = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InputError(f"{path}:{where}: invalid YAML: {problem}") from None
+    try:
+        data = RECIPE_SCHEMA("", raw)
+    except _FieldError as exc:
+        raise InputError(f"{path}: {exc}") from None
+    base = path.parent
+    return Recipe(
+        path=path,
+        name=data["name"],
+        vllm=_pin("vllm", data["vllm"], base),
+        flashinfer=_pin("flashinfer-python", data["flashinfer"], base),
+        image=ImageSettings(**data["image"]),
+        members=data["members"],
+        overlay_dir=(base / data.get("overlay", "../overlay")).resolve(),
+        raw=raw,
+    )
+
+
+def _pin(project: str, data: dict[str, Any], base: Path) -> WheelPin:
+    local = data.get("path")
+    return WheelPin(
+        project=project,
+        version=data["version"],
+        wheel=data["wheel"],
+        sha256=data["sha256"],
+        url=data.get("url"),
+        index=data.get("index", WheelPin.index),
+        path=(base / local).resolve() if local else None,
+    )

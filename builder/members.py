@@ -237,7 +237,13 @@ def _check_structure(lines: list[str], start: int, where: str) -> None:
         if line.startswith("diff --git "):
             in_hunk = False
             hunk_no = 0
-            file_label = line[len("diff --git "):].split(" ")[0].removeprefix("a/")
+            file_label = _git_line_path(line, here)
+            continue
+        if line.startswith(("--- ", "+++ ")) and not in_hunk:
+            side = "a/" if line[0] == "-" else "b/"
+            named = line[4:].split("\t")[0]
+            if named not in (side + file_label, "/dev/null"):
+                raise MemberError(f"{here}: {line[:4]}{named!r} does not match the 'diff --git' line (expected {side}{file_label} or /dev/null)")
             continue
         if line.startswith("@@"):
             match = HUNK_HEADER_RE.fullmatch(line)
@@ -263,6 +269,19 @@ def _check_structure(lines: list[str], start: int, where: str) -> None:
             raise MemberError(f"{here}: unexpected line in the header of {file_label}: {line[:60]!r}")
     if in_hunk and (old_left or new_left):
         raise MemberError(f"{where}: line {len(lines)}: hunk {hunk_no} of {file_label} is shorter than its header says")
+
+
+def _git_line_path(line: str, here: str) -> str:
+    """The one path a "diff --git a/P b/P" line names (renames and copies are refused)."""
+    rest = line[len("diff --git "):]
+    half = (len(rest) - 1) // 2
+    old, new = rest[:half], rest[half + 1:]
+    match = re.fullmatch(r"a/(\S+) b/(\S+)", rest)
+    if match and match.group(1) != match.group(2):
+        raise MemberError(f"{here}: {match.group(1)} -> {match.group(2)}: renames and copies are not supported (write a deletion and a new file)")
+    if rest[half:half + 1] != " " or not old.startswith("a/") or not new.startswith("b/") or old[2:] != new[2:]:
+        raise MemberError(f"{here}: expected 'diff --git a/PATH b/PATH' naming one path, got {line[:80]!r}")
+    return old[2:]
 
 
 def _tree_path(raw: str, prefix: str, where: str) -> str | None:

@@ -63,15 +63,13 @@ class HashMemo:
         except (OSError, ValueError):
             self.entries = {}
 
-    def sha256(self, path: Path) -> str:
+    def known(self, path: Path) -> str | None:
+        """The remembered sha256, if the file's size and mtime are unchanged since it was hashed."""
         st = path.stat()
-        key = str(path.resolve())
-        entry = self.entries.get(key)
+        entry = self.entries.get(str(path.resolve()))
         if entry and entry[0] == st.st_size and entry[1] == st.st_mtime_ns:
             return entry[2]
-        digest = sha256_file(path)
-        self.remember(path, digest)
-        return digest
+        return None
 
     def remember(self, path: Path, digest: str) -> None:
         st = path.stat()
@@ -113,13 +111,18 @@ def pinned_wheel(pin: WheelPin, *, root: Path | None = None, progress: TextIO | 
             return pin.path
         if not pin.path.is_file():
             raise InputError(f"{pin.project}.path: {pin.path}: no such wheel file or directory")
-        _expect(pin, memo.sha256(pin.path), str(pin.path))
-        check_zip(pin.path, str(pin.path))
+        if memo.known(pin.path) != pin.sha256:
+            _expect(pin, sha256_file(pin.path), str(pin.path))
+            check_zip(pin.path, str(pin.path))
+            memo.remember(pin.path, pin.sha256)  # only a verified wheel is remembered
         return pin.path
 
     dest = root / "wheels" / pin.sha256 / pin.wheel
     if dest.is_file():
-        if memo.sha256(dest) == pin.sha256:
+        if memo.known(dest) == pin.sha256:
+            return dest
+        if sha256_file(dest) == pin.sha256:
+            memo.remember(dest, pin.sha256)
             return dest
         dest.unlink()  # a damaged cache entry is replaced, never trusted
     url = pin.url or resolve_from_index(pin)

@@ -173,6 +173,8 @@ class _FieldError(Exception):
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return repr(value)
     kind = {dict: "a mapping", list: "a list", bool: "a boolean", type(None): "nothing"}.get(type(value))
     return kind or f"{type(value).__name__} {value!r}"
 

@@ -97,13 +97,14 @@ def check_zip(path: Path, label: str) -> None:
         raise InputError(f"{label}: not a valid wheel (zip): {exc}") from None
 
 
-def pinned_wheel(pin: WheelPin, *, root: Path | None = None, progress: TextIO | None = sys.stderr) -> Path:
+def pinned_wheel(pin: WheelPin, *, root: Path | None = None, progress: TextIO | None = None) -> Path:
     """Path of the verified wheel for ``pin``, downloading it on first use.
 
     A local ``pin.path`` wheel is verified in place (its hash remembered); a
     directory is returned as it is (a source checkout has no wheel hash).
     """
     root = root or cache_root()
+    progress = progress or sys.stderr
     memo = HashMemo(root)
     label = f"{pin.project} {pin.version} ({pin.wheel})"
     if pin.path is not None:

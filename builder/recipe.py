@@ -217,11 +217,15 @@ def load_recipe(path: str | Path) -> Recipe:
     except _FieldError as exc:
         raise InputError(f"{path}: {exc}") from None
     base = path.parent
+    try:
+        vllm, flashinfer = _pin("vllm", data["vllm"], base), _pin("flashinfer-python", data["flashinfer"], base)
+    except _FieldError as exc:
+        raise InputError(f"{path}: {exc}") from None
     return Recipe(
         path=path,
         name=data["name"],
-        vllm=_pin("vllm", data["vllm"], base),
-        flashinfer=_pin("flashinfer-python", data["flashinfer"], base),
+        vllm=vllm,
+        flashinfer=flashinfer,
         image=ImageSettings(**data["image"]),
         members=data["members"],
         overlay_dir=(base / data.get("overlay", "../overlay")).resolve(),
@@ -230,6 +234,10 @@ def load_recipe(path: str | Path) -> Recipe:
 
 
 def _pin(project: str, data: dict[str, Any], base: Path) -> WheelPin:
+    parts = data["wheel"].split("-")
+    if len(parts) < 3 or parts[1] != data["version"]:
+        field_name = "vllm" if project == "vllm" else "flashinfer"
+        raise _FieldError(f"{field_name}.wheel", f"{data['wheel']!r} is not a wheel of version {data['version']}")
     local = data.get("path")
     return WheelPin(
         project=project,

@@ -38,7 +38,7 @@ def open_tree(path: Path) -> Tree:
     return DirTree(path) if path.is_dir() else WheelTree(path)
 
 
-def pinned_tree(pin: WheelPin, progress: TextIO | None = sys.stderr) -> Tree:
+def pinned_tree(pin: WheelPin, progress: TextIO | None = None) -> Tree:
     """The base tree a pin names: the verified wheel (fetched once) or a local directory."""
     return open_tree(pinned_wheel(pin, progress=progress))
 

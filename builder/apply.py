@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from builder.errors import InputError
 from builder.members import FilePatch, Hunk, Member, split_lines
@@ -73,11 +74,11 @@ class FileChange:
     mode: int | None
     members: tuple[str, ...]
 
-    @property
+    @cached_property
     def before_sha256(self) -> str | None:
         return sha256(self.before)
 
-    @property
+    @cached_property
     def after_sha256(self) -> str | None:
         return sha256(self.after)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import AnyStr
 
@@ -100,7 +101,7 @@ class Member:
     files: tuple[FilePatch, ...]
     normalized: bytes = field(repr=False)
 
-    @property
+    @cached_property
     def digest(self) -> str:
         """sha256 of the normalized diff: the member's identity in the runtime key."""
         return hashlib.sha256(self.normalized).hexdigest()
@@ -121,8 +122,17 @@ class MemberError(InputError):
     pass
 
 
+# Characters other than "\n" at which str.splitlines would also break a line.
+_OTHER_BREAKS = re.compile("[\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
 def split_lines(text: AnyStr) -> list[AnyStr]:
     """Split on "\n" only, keeping it: a "\r" or form feed is part of a line, as in git."""
+    if isinstance(text, bytes):
+        if b"\r" not in text:
+            return text.splitlines(keepends=True)  # the fast path: same result without "\r"
+    elif not _OTHER_BREAKS.search(text):
+        return text.splitlines(keepends=True)
     newline = "\n" if isinstance(text, str) else b"\n"
     parts = text.split(newline)  # type: ignore[arg-type]
     lines = [part + newline for part in parts[:-1]]

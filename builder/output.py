@@ -70,7 +70,8 @@ def write_full_tree(out: Path, tree: Tree, overlay: OverlaySet, manifest_data: d
 
 
 def _write_file(dest: Path, data: bytes, mode: int | None) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    if not dest.parent.is_dir():
+        dest.parent.mkdir(parents=True)
     dest.write_bytes(data)
     if mode is not None:
         dest.chmod(mode)

@@ -179,7 +179,7 @@ def _show(value: Any) -> str:
     return kind or f"{type(value).__name__} {value!r}"
 
 
-class _StrictLoader(yaml.SafeLoader):
+class _StrictLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
     """The safe loader, refusing duplicate keys (PyYAML silently keeps the last)."""
 
 
@@ -190,7 +190,7 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
         if key in keys:
             raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         keys.add(key)
-    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)  # type: ignore[arg-type]
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)

@@ -8,16 +8,18 @@ paths (for ``--full-tree``).
 
 from __future__ import annotations
 
+import marshal
 import os
 import posixpath
 import stat
-import sys
+import struct
 import zipfile
+import zlib
 from pathlib import Path
-from typing import Iterator, Protocol, TextIO
+from typing import Iterator, NamedTuple, Protocol, TextIO
 
 from builder.errors import InputError
-from builder.pin import pinned_wheel
+from builder.pin import atomic_write, cache_root, pinned_wheel
 from builder.recipe import WheelPin
 
 
@@ -27,6 +29,7 @@ class Tree(Protocol):
     def read(self, path: str) -> bytes | None:
         """The file's bytes, or None when the tree has no such file."""
 
+
     def check_writable(self, path: str) -> str | None:
         """Why writing ``path`` would leave the tree (through a symlink), or None."""
 
@@ -34,13 +37,26 @@ class Tree(Protocol):
         """Every regular file: (path, bytes, mode)."""
 
 
-def open_tree(path: Path) -> Tree:
-    return DirTree(path) if path.is_dir() else WheelTree(path)
-
-
 def pinned_tree(pin: WheelPin, progress: TextIO | None = None) -> Tree:
     """The base tree a pin names: the verified wheel (fetched once) or a local directory."""
-    return open_tree(pinned_wheel(pin, progress=progress))
+    path = pinned_wheel(pin, progress=progress)
+    if path.is_dir():
+        return DirTree(path)
+    return WheelTree(path, cache_root() / "zipindex" / f"{pin.sha256}.marshal")
+
+
+class _Entry(NamedTuple):
+    offset: int
+    method: int
+    compressed_size: int
+    size: int
+    crc: int
+    external_attr: int
+    is_dir: bool
+
+    @property
+    def is_symlink(self) -> bool:
+        return stat.S_ISLNK(self.external_attr >> 16)
 
 
 def _escapes(link_dir: str, target: str) -> bool:
@@ -51,45 +67,80 @@ def _escapes(link_dir: str, target: str) -> bool:
 
 
 class WheelTree:
-    """A wheel read in place; the central directory is read once, entries on demand."""
+    """A wheel read in place: an entry is inflated only when asked for.
 
-    def __init__(self, path: Path) -> None:
+    The central directory is parsed once per wheel and kept beside the cache
+    (``index_file``, keyed by the wheel's sha256), because parsing 5,000
+    entries in Python costs more than applying a handful of members.
+    """
+
+    def __init__(self, path: Path, index_file: Path | None = None) -> None:
         self.label = str(path)
+        self._entries = self._load_index(path, index_file)
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def _load_index(self, path: Path, index_file: Path | None) -> dict[str, _Entry]:
+        if index_file is not None:
+            try:
+                return {name: _Entry(*row) for name, row in marshal.loads(index_file.read_bytes()).items()}
+            except (OSError, ValueError, EOFError, TypeError):
+                pass  # absent or unreadable: parse the zip and write it anew
         try:
-            self._zip = zipfile.ZipFile(path)
-            self._entries = {info.filename: info for info in self._zip.infolist()}
+            with zipfile.ZipFile(path) as zf:
+                rows = {
+                    i.filename: (i.header_offset, i.compress_type, i.compress_size, i.file_size, i.CRC, i.external_attr, i.is_dir())
+                    for i in zf.infolist()
+                }
         except (zipfile.BadZipFile, OSError) as exc:
             raise InputError(f"{path}: not a valid wheel (zip): {exc}") from None
-
-    def _is_symlink(self, info: zipfile.ZipInfo) -> bool:
-        return stat.S_ISLNK(info.external_attr >> 16)
+        if index_file is not None:
+            try:
+                atomic_write(index_file, marshal.dumps(rows))
+            except OSError:
+                pass  # a read-only cache only costs parsing again next time
+        return {name: _Entry(*row) for name, row in rows.items()}
 
     def read(self, path: str) -> bytes | None:
-        info = self._entries.get(path)
-        if info is None or info.is_dir():
+        return self._read_now(path)
+
+    def _read_now(self, path: str) -> bytes | None:
+        entry = self._entries.get(path)
+        if entry is None or entry.is_dir:
             return None
         try:
-            return self._zip.read(info)
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            header = os.pread(self._fd, 30, entry.offset)
+            if len(header) != 30 or header[:4] != b"PK\x03\x04":
+                raise ValueError("bad local header")
+            name_len, extra_len = struct.unpack("<HH", header[26:30])
+            raw = os.pread(self._fd, entry.compressed_size, entry.offset + 30 + name_len + extra_len)
+            if entry.method == zipfile.ZIP_DEFLATED:
+                data = zlib.decompress(raw, -15, entry.size or 1)
+            elif entry.method == zipfile.ZIP_STORED:
+                data = raw
+            else:
+                raise ValueError(f"compression method {entry.method} is not supported")
+            if len(data) != entry.size or zlib.crc32(data) != entry.crc:
+                raise ValueError("size or CRC-32 does not match the central directory")
+        except (OSError, ValueError, zlib.error, struct.error) as exc:
             raise InputError(f"{self.label}: entry {path} is corrupt: {exc}") from None
+        return data
 
     def check_writable(self, path: str) -> str | None:
         parts = path.split("/")
         for depth in range(1, len(parts) + 1):
             prefix = "/".join(parts[:depth])
             info = self._entries.get(prefix)
-            if info is not None and self._is_symlink(info):
-                target = self._zip.read(info).decode("utf-8", "replace")
+            if info is not None and info.is_symlink:
+                target = (self._read_now(prefix) or b"").decode("utf-8", "replace")
                 if _escapes(posixpath.dirname(prefix), target):
                     return f"{prefix} is a symlink to {target}, outside the tree"
         return None
 
     def walk(self) -> Iterator[tuple[str, bytes, int]]:
         for name, info in self._entries.items():
-            if info.is_dir() or self._is_symlink(info):
+            if info.is_dir or info.is_symlink:
                 continue
-            mode = (info.external_attr >> 16) & 0o777 or 0o644
-            yield name, self._zip.read(info), mode
+            yield name, self._read_now(name) or b"", (info.external_attr >> 16) & 0o777 or 0o644
 
 
 class DirTree:

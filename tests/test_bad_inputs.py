@@ -29,13 +29,16 @@ def test_corpus_is_large_enough():
 
 @pytest.fixture
 def isolated_cache(tmp_path: Path, vllm_wheel: Path) -> Path:
-    """A cache holding (a link to) the real wheel and its remembered hash, so nothing is downloaded."""
+    """A warm cache: (a link to) the real wheel, its remembered hash and zip index; nothing to fetch or write."""
     cache = tmp_path / "cache"
     dest = cache / "wheels" / vllm_wheel.parent.name / vllm_wheel.name
     dest.parent.mkdir(parents=True)
     dest.symlink_to(vllm_wheel)
     memo = json.loads((cache_root() / "verified.json").read_text())
     (cache / "verified.json").write_text(json.dumps({str(vllm_wheel.resolve()): memo[str(vllm_wheel.resolve())]}))
+    index = cache_root() / "zipindex" / f"{vllm_wheel.parent.name}.marshal"
+    (cache / "zipindex").mkdir()
+    shutil.copy(index, cache / "zipindex" / index.name)  # the central directory, as a warm run has it
     return cache
 
 

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from builder.errors import OverlayError
+from builder.errors import InputError, OverlayError
 
 DEFAULT_RECIPE = "recipes/v41-sm120.yaml"
 
@@ -69,6 +69,23 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    from builder.probe import probe, render_arms
+    from builder.probe_env import ensure_probe_venv
+
+    if not args.serve_argv:
+        raise InputError("probe: give the rank's vllm serve argv after '--' (e.g. -- /models/v41 -tp 4)")
+    recipe, members, tree = _load(args.recipe)
+    python = Path(args.python) if args.python else ensure_probe_venv(recipe.vllm.version, progress=_progress)
+    arms = probe(tree, members, python, args.serve_argv, args.static)
+    print(render_arms(arms))
+    return 0
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-overlay", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -86,11 +103,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full-tree", metavar="DIR", help="write the complete patched tree here")
     p = command("check", cmd_check, "say of each member whether it applies to the unpatched tree")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = command("probe", cmd_probe, "run the SM120 decode-shape self-test in four arms (unpatched/patched x as given/text-only)")
+    p.add_argument("--python", metavar="PY", help="an interpreter where the pinned vLLM is importable (default: the cached probe venv, built on first use)")
+    p.add_argument("--static", action="store_true", help="judge on the static checks alone (no SM120 device here)")
+    p.epilog = "The rank's vllm serve argv follows '--'."
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    serve_argv: list[str] = []
+    if "--" in argv:  # everything after it is the rank's vllm serve argv, passed on untouched
+        at = argv.index("--")
+        argv, serve_argv = argv[:at], argv[at + 1 :]
     args = build_parser().parse_args(argv)
+    args.serve_argv = serve_argv
     try:
         return args.func(args)
     except OverlayError as exc:

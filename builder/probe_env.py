@@ -7,7 +7,6 @@ venv holding vLLM and its dependencies with a CPU build of torch
 copying vLLM, ``shadow_tree`` builds a package directory that links to the
 installed vLLM everywhere except along the paths of the overlay's files.
 
-Standard library only.
 """
 
 from __future__ import annotations
@@ -22,6 +21,9 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 
+from builder.errors import OverlayError
+from builder.pin import cache_root
+
 # torch pinned by vLLM 0.30.0; installed first so pip picks the build the
 # machine provides (a CPU build on the CI machine) before vLLM's own resolve.
 TORCH_VERSION = "2.13.0"
@@ -32,24 +34,12 @@ COMPLETE_MARKER = ".complete"
 Progress = Callable[[str], object]
 
 
-class ProbeEnvError(Exception):
+class ProbeEnvError(OverlayError):
     """The probe venv could not be built, or a shadow tree not made."""
 
 
-def default_cache_dir() -> Path:
-    """``$VLLM_OVERLAY_CACHE``, else ``$XDG_CACHE_HOME/vllm-overlay``, else
-    ``~/.cache/vllm-overlay``."""
-    env = os.environ.get("VLLM_OVERLAY_CACHE")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg) / "vllm-overlay"
-    return Path.home() / ".cache" / "vllm-overlay"
-
-
 def probe_venv_dir(version: str = "0.30.0", cache_dir: Path | str | None = None) -> Path:
-    base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    base = Path(cache_dir) if cache_dir is not None else cache_root()
     return base / "probe-venv" / f"vllm-{version}"
 
 

@@ -1,14 +1,23 @@
 from __future__ import annotations
 
+import importlib.util
+import sys
 import zipfile
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-from builder.recipe import load_recipe
+from builder.apply import apply_members
+from builder.members import load_recipe_members
 from builder.pin import pinned_wheel
+from builder.probe import SELFTEST_MEMBER
+from builder.probe_env import ensure_probe_venv
+from builder.recipe import load_recipe
 from builder.tree import pinned_tree
 from tests.helpers import DEFAULT_RECIPE
+
+SELFTEST_FILE = "vllm/models/deepseek_v41/nvidia/sm120_decode_shape_selftest.py"
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +31,39 @@ def vllm_wheel() -> Path:
 @pytest.fixture(scope="session")
 def wheel_zip(vllm_wheel: Path) -> zipfile.ZipFile:
     return zipfile.ZipFile(vllm_wheel)
+
+
+@pytest.fixture(scope="session")
+def overlay_files(vllm_wheel: Path) -> dict[str, dict[str, bytes]]:
+    """The default recipe's overlay, made by our engine on the real tree.
+
+    "patched": every file the whole overlay writes; "selftest-only": what the
+    self-test member writes applied alone (the unpatched arm).
+    """
+    recipe = load_recipe(DEFAULT_RECIPE)
+    members = load_recipe_members(recipe)
+    tree = pinned_tree(recipe.vllm)
+    selftest = [m for m in members if m.name == SELFTEST_MEMBER]
+
+    def files(ms) -> dict[str, bytes]:  # noqa: ANN001
+        return {c.path: c.after for c in apply_members(tree, ms).changes if c.after is not None}
+
+    return {"patched": files(members), "selftest-only": files(selftest)}
+
+
+@pytest.fixture(scope="session")
+def selftest_module(overlay_files, tmp_path_factory) -> ModuleType:
+    """The self-test module as the member writes it, imported in this (vLLM-less) interpreter."""
+    path = tmp_path_factory.mktemp("selftest") / "sm120_decode_shape_selftest.py"
+    path.write_bytes(overlay_files["selftest-only"][SELFTEST_FILE])
+    spec = importlib.util.spec_from_file_location("sm120_decode_shape_selftest", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def probe_python() -> Path:
+    """A venv with vllm==0.30.0 and its dependencies (CPU torch), built once and cached."""
+    return ensure_probe_venv(load_recipe(DEFAULT_RECIPE).vllm.version, progress=lambda line: print(line, file=sys.stderr))

@@ -1,0 +1,139 @@
+"""Probe: run the decode-shape self-test in four arms against the real vLLM tree.
+
+Arms: the unpatched tree (the self-test member alone) and the patched tree
+(the whole overlay), each with the argv as given and with the text-only
+flags added.  Each arm runs the self-test module with an interpreter where
+the pinned vLLM is importable (the probe venv, or ``--python``), through a
+shadow package that differs from the installed vLLM only in the overlay's
+files.  The installed files must be the pinned tree's (before hashes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from builder.apply import OverlaySet, apply_members
+from builder.errors import InputError
+from builder.members import Member
+from builder.probe_env import shadow_tree
+from builder.tree import Tree
+
+SELFTEST_MEMBER = "sm120_decode_shape_selftest"
+SELFTEST_MODULE = "vllm.models.deepseek_v41.nvidia.sm120_decode_shape_selftest"
+TEXT_ONLY = ["--language-model-only", "--hf-overrides.vision_n_layers", "0"]
+RUN_TIMEOUT = 600
+
+
+@dataclass(frozen=True)
+class SelftestRun:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def verdict(self) -> str:
+        """The last line of stdout: ``SELFTEST PASS...`` or ``SELFTEST FAIL...``."""
+        lines = self.stdout.rstrip("\n").splitlines()
+        last = lines[-1] if lines else ""
+        if last.startswith(("SELFTEST PASS", "SELFTEST FAIL")):
+            return last
+        tail = (self.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"SELFTEST FAIL: the self-test did not finish (exit {self.returncode}): {tail}"
+
+    @property
+    def passed(self) -> bool:
+        return self.returncode == 0 and self.verdict.startswith("SELFTEST PASS")
+
+
+@dataclass(frozen=True)
+class Arm:
+    tree: str  # "unpatched" or "patched"
+    argv: str  # "as given" or "text-only"
+    run: SelftestRun
+
+    @property
+    def reasons(self) -> str:
+        verdict = self.run.verdict
+        return verdict.split(": ", 1)[1] if ": " in verdict else ""
+
+
+def installed_vllm_dir(python: Path) -> Path:
+    """Where ``python`` imports vllm from, found without importing it."""
+    code = "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('vllm').origin))"
+    try:
+        out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise InputError(f"--python {python}: cannot find an installed vllm: {exc}") from None
+    return Path(out.stdout.strip())
+
+
+def check_installed_matches(vllm_dir: Path, overlay: OverlaySet) -> None:
+    """The installed files the overlay replaces must be the pinned tree's, byte for byte."""
+    site = vllm_dir.parent
+    for change in overlay.changes:
+        installed = site / change.path
+        have = hashlib.sha256(installed.read_bytes()).hexdigest() if installed.is_file() else None
+        if have != change.before_sha256:
+            raise InputError(
+                f"{installed}: the installed vLLM differs from the pinned tree "
+                f"(sha256 {have or 'absent'}, pinned {change.before_sha256 or 'absent'})"
+            )
+
+
+def run_selftest(python: Path, tree: Path, args: list[str], timeout: int = RUN_TIMEOUT) -> SelftestRun:
+    """Run the self-test module with ``tree`` (a shadow package dir) first on the path."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_TARGET_DEVICE", "VLLM_LOGGING_STREAM")}
+    env.update(
+        PYTHONPATH=str(tree),
+        VLLM_TARGET_DEVICE=os.environ.get("VLLM_TARGET_DEVICE", "cpu"),  # vLLM cannot infer a device without a GPU
+        VLLM_LOGGING_STREAM="ext://sys.stderr",  # keep stdout for the table and the verdict
+        HF_HUB_OFFLINE="1",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    try:
+        proc = subprocess.run(
+            [str(python), "-m", SELFTEST_MODULE, *args], capture_output=True, text=True, env=env, cwd=tree, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return SelftestRun(124, "", f"timed out after {timeout} s")
+    return SelftestRun(proc.returncode, proc.stdout, proc.stderr)
+
+
+def probe(tree: Tree, members: tuple[Member, ...], python: Path, argv: list[str], static: bool) -> list[Arm]:
+    by_name = {m.name: m for m in members}
+    if SELFTEST_MEMBER not in by_name:
+        raise InputError(f"the recipe has no member {SELFTEST_MEMBER}: nothing to probe with")
+    overlays = {
+        "unpatched": apply_members(tree, [by_name[SELFTEST_MEMBER]]),
+        "patched": apply_members(tree, members),
+    }
+    vllm_dir = installed_vllm_dir(python)
+    check_installed_matches(vllm_dir, overlays["patched"])
+    flags = ["--static"] if static else []
+    arms = [(t, a) for t in ("unpatched", "patched") for a in ("as given", "text-only")]
+    with tempfile.TemporaryDirectory(prefix="vllm-overlay-probe-") as tmp:
+        shadows = {
+            name: shadow_tree(vllm_dir, {c.path: c.after for c in ov.changes if c.after is not None}, Path(tmp, name))
+            for name, ov in overlays.items()
+        }
+        with ThreadPoolExecutor(max_workers=2) as pool:  # each run is ~20 s of one core
+            futures = [
+                pool.submit(run_selftest, python, shadows[t], [*flags, "--", *argv, *(TEXT_ONLY if a == "text-only" else [])])
+                for t, a in arms
+            ]
+            return [Arm(t, a, f.result()) for (t, a), f in zip(arms, futures)]
+
+
+def render_arms(arms: list[Arm]) -> str:
+    rows = [("tree", "argv", "verdict", "reasons")]
+    for arm in arms:
+        verdict = arm.run.verdict.split(":", 1)[0]
+        rows.append((arm.tree, arm.argv, verdict, arm.reasons))
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]:<{width[2]}}  {r[3]}".rstrip() for r in rows)

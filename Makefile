@@ -1,0 +1,40 @@
+# vllm-overlay: make setup | image | check | key | overlay | dockerfile | probe | test | bench
+PYTHON ?= python3
+RECIPE ?= recipes/v41-sm120.yaml
+VO = $(PYTHON) -m builder
+OUT ?= out
+# The rank's vllm serve argv for `make probe` (a checkpoint directory holding config.json).
+SERVE_ARGV ?= $(OUT)/checkpoint-v41 --headless -tp 4
+
+.PHONY: setup image check key overlay dockerfile probe probe-venv test bench
+
+setup:            ## fresh machine: Python deps, Debian packages, local services (needs root)
+	bash .ci/setup
+
+image:            ## build (or find) the recipe's image, tag it by runtime key
+	$(VO) image $(RECIPE)
+
+check:            ## does every member apply to the unpatched pinned tree?
+	$(VO) check $(RECIPE)
+
+key:              ## the recipe's runtime key
+	$(VO) key $(RECIPE)
+
+overlay:          ## touched files + manifest.json in $(OUT)/overlay
+	$(VO) apply $(RECIPE) --out $(OUT)/overlay
+
+dockerfile:       ## the image build context in $(OUT)/context
+	$(VO) dockerfile $(RECIPE) --out $(OUT)/context
+
+probe-venv:       ## the cached venv with the pinned vLLM (CPU torch) the probe runs in
+	$(PYTHON) -c 'from builder.probe_env import ensure_probe_venv; print(ensure_probe_venv())'
+
+probe:            ## the four-arm self-test table (static: no SM120 device here)
+	$(PYTHON) -c 'from tests.checkpoints import write_v41_checkpoint; write_v41_checkpoint("$(OUT)/checkpoint-v41")'
+	$(VO) probe $(RECIPE) --static -- $(SERVE_ARGV)
+
+test:             ## the whole suite, real components included
+	$(PYTHON) -m pytest
+
+bench:            ## speed and size figures beside the comparisons the issues name
+	$(PYTHON) bench/run.py

@@ -82,6 +82,70 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _image_inputs(recipe_path: str):  # noqa: ANN202
+    from builder.apply import apply_members
+    from builder.key import runtime_key
+    from builder.output import manifest
+    from builder.render import context_files, render_image
+
+    recipe, members, tree = _load(recipe_path)
+    overlay = apply_members(tree, members)
+    key = runtime_key(recipe, members)
+    rendered = render_image(recipe, key)
+    return recipe, rendered, context_files(rendered, overlay, manifest(recipe, overlay, key))
+
+
+def cmd_dockerfile(args: argparse.Namespace) -> int:
+    from builder.output import write_files
+
+    _, rendered, files = _image_inputs(args.recipe)
+    write_files(Path(args.out), files)
+    print(f"wrote the build context ({len(files)} files) to {args.out}", file=sys.stderr)
+    print(rendered.image_key)
+    return 0
+
+
+def cmd_image(args: argparse.Namespace) -> int:
+    from builder import image as img
+    from builder.produced import find_row
+
+    recipe, rendered, files = _image_inputs(args.recipe)
+    tags = img.tags_for(recipe, rendered)
+    client = img.docker_client()
+    built = img.local_image(client, rendered.image_key)
+    digest = None
+    if built is None and img.registry_of(recipe.image.repository):
+        try:
+            digest = img.in_registry(client, tags.image)
+        except img.RegistryUnreachable as exc:
+            _progress(f"warning: {exc}; building")
+    if built is not None:
+        _progress(f"up to date: an image with image key {rendered.image_key} is in the engine ({built.id})")
+    elif digest is not None:
+        _progress(f"up to date: {tags.image} is in the registry ({digest})")
+    else:
+        _progress(f"building {tags.runtime} (image key {rendered.image_key})")
+        built = img.build(client, recipe, rendered, files)
+    if args.push and built is not None:
+        digest = img.push(client, [tags.runtime, tags.image, tags.moving])
+    if find_row(rendered.image_key) is None:
+        img.record(recipe, rendered, tags.runtime, digest or built.id)
+    print(tags.runtime)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from builder.members import load_recipe_members
+    from builder.plan import plan, write_github_output
+    from builder.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    result = plan(recipe, load_recipe_members(recipe))
+    print("\n".join(result.lines()))
+    write_github_output(result)
+    return 0
+
+
 def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -107,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--python", metavar="PY", help="an interpreter where the pinned vLLM is importable (default: the cached probe venv, built on first use)")
     p.add_argument("--static", action="store_true", help="judge on the static checks alone (no SM120 device here)")
     p.epilog = "The rank's vllm serve argv follows '--'."
+    p = command("dockerfile", cmd_dockerfile, "write the image build context (Dockerfile, checks, manifest, overlay files)")
+    p.add_argument("--out", metavar="DIR", required=True, help="the context directory")
+    p = command("image", cmd_image, "build the recipe's image (unless one with its key exists), tag it, record it")
+    p.add_argument("--push", action="store_true", help="push the rk-, ik- and recipe-name tags")
+    command("plan", cmd_plan, "for CI: rebuild or up-to-date, from the keys, the produced rows and the registry")
     return parser
 
 

@@ -69,6 +69,13 @@ def write_full_tree(out: Path, tree: Tree, overlay: OverlaySet, manifest_data: d
         (tmp / MANIFEST).write_bytes(manifest_bytes(manifest_data))
 
 
+def write_files(out: Path, files: dict[str, bytes]) -> None:
+    """A directory of exactly these files (e.g. a build context), swapped in whole."""
+    with _replacing(out) as tmp:
+        for name, data in files.items():
+            _write_file(tmp / name, data, None)
+
+
 def _write_file(dest: Path, data: bytes, mode: int | None) -> None:
     if not dest.parent.is_dir():
         dest.parent.mkdir(parents=True)

@@ -6,6 +6,7 @@ by its dotted path (``vllm.sha256``) so a user can find it in the YAML.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,10 @@ import yaml
 from builder.errors import InputError
 
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
+# Free text that ends up in a Dockerfile LABEL or echo: no quotes, $, backslash or newline.
+REASON_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ,.:;()/+_=-]{0,300}")
+HOST_RE = re.compile(r"[A-Za-z0-9.-]+(:[0-9]+)?")
+TORCH_VERSION_RE = re.compile(r"\d+(\.\d+)*(\+[a-z0-9]+)?")
 # PEP 440 public versions, the forms pins actually use (1.2.3, 0.6.18.post1, 0.7.0rc1).
 VERSION_RE = re.compile(r"\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?")
 MEMBER_NAME_RE = re.compile(r"[a-z0-9_]+")
@@ -47,6 +52,26 @@ class WheelPin:
 
 
 @dataclass(frozen=True)
+class PipSettings:
+    """Where the image's one resolver step finds packages."""
+
+    index_url: str = "https://pypi.org/simple"
+    extra_index_urls: tuple[str, ...] = ()
+    find_links: tuple[str, ...] = ()
+    trusted_hosts: tuple[str, ...] = ()
+    no_deps: bool = False  # install only the pinned packages (tests: the CUDA closure is several GB)
+
+
+@dataclass(frozen=True)
+class VllmWheelSource:
+    """vLLM from a URL (e.g. a +cu128 release variant) instead of the index."""
+
+    url: str
+    sha256: str | None = None
+    unverified: str | None = None  # why there is no sha256 yet; required when sha256 is absent
+
+
+@dataclass(frozen=True)
 class ImageSettings:
     base: str
     cuda: str
@@ -54,6 +79,20 @@ class ImageSettings:
     flashinfer_cuda_arch_list: str
     python: str
     repository: str
+    mode: str = "cuda"  # "cuda": the image installs vLLM; "vllm": the base already has the pinned vLLM
+    source: str | None = None  # org.opencontainers.image.source
+    torch: str | None = None  # the torch requirement, e.g. 2.13.0+cu128
+    pip: PipSettings = PipSettings()
+    vllm_wheel: VllmWheelSource | None = None
+    accept_cuda_mismatch: str | None = None  # why a CUDA major mismatch is acceptable
+
+    @property
+    def base_digest(self) -> str | None:
+        return self.base.split("@", 1)[1] if "@" in self.base else None
+
+    @property
+    def base_name(self) -> str:
+        return self.base.split("@", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -107,6 +146,21 @@ def _members(where: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _boolean(where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _FieldError(where, f"expected true or false, got {_show(value)}")
+    return value
+
+
+def _list_of(item: Callable[[str, Any], Any]) -> Callable[[str, Any], tuple[Any, ...]]:
+    def check(where: str, value: Any) -> tuple[Any, ...]:
+        if not isinstance(value, list):
+            raise _FieldError(where, f"expected a list, got {_show(value)}")
+        return tuple(item(f"{where}[{i}]", v) for i, v in enumerate(value))
+
+    return check
+
+
 def _mapping(schema: dict[str, _Field]) -> Callable[[str, Any], dict[str, Any]]:
     def check(where: str, value: Any) -> dict[str, Any]:
         if not isinstance(value, dict):
@@ -131,6 +185,7 @@ _SHA256 = _string(SHA256_RE, "64 lowercase hex digits")
 _VERSION = _string(VERSION_RE, "a version like 0.30.0 or 0.6.18.post1")
 _URL = _string(URL_RE, "an http(s):// or file:// URL without spaces or shell characters")
 _PATH = _string(re.compile(r"[^\0\n]+"), "a path")
+_REASON = _string(REASON_RE, "a short reason in plain words (letters, digits, spaces and , . : ; ( ) / + _ = -)")
 
 
 def _pin_schema(wheel_required: bool) -> dict[str, _Field]:
@@ -158,6 +213,26 @@ RECIPE_SCHEMA = _mapping(
                     "flashinfer_cuda_arch_list": _Field(_string(ARCH_LIST_RE, "an arch list like 12.0a")),
                     "python": _Field(_string(PYTHON_VERSION_RE, "a Python version like 3.12")),
                     "repository": _Field(_string(REPOSITORY_RE, "an image repository like ghcr.io/org/vllm-overlay")),
+                    "mode": _Field(_string(re.compile(r"cuda|vllm"), "cuda (install vLLM on a CUDA base) or vllm (the base has it)"), required=False),
+                    "source": _Field(_URL, required=False),
+                    "torch": _Field(_string(TORCH_VERSION_RE, "a torch version like 2.13.0 or 2.13.0+cu128"), required=False),
+                    "pip": _Field(
+                        _mapping(
+                            {
+                                "index_url": _Field(_URL, required=False),
+                                "extra_index_urls": _Field(_list_of(_URL), required=False),
+                                "find_links": _Field(_list_of(_URL), required=False),
+                                "trusted_hosts": _Field(_list_of(_string(HOST_RE, "a host name")), required=False),
+                                "no_deps": _Field(_boolean, required=False),
+                            }
+                        ),
+                        required=False,
+                    ),
+                    "vllm_wheel": _Field(
+                        _mapping({"url": _Field(_URL), "sha256": _Field(_SHA256, required=False), "unverified": _Field(_REASON, required=False)}),
+                        required=False,
+                    ),
+                    "accept_cuda_mismatch": _Field(_REASON, required=False),
                 }
             )
         ),
@@ -226,11 +301,28 @@ def load_recipe(path: str | Path) -> Recipe:
         name=data["name"],
         vllm=vllm,
         flashinfer=flashinfer,
-        image=ImageSettings(**data["image"]),
+        image=_image(data["image"], path),
         members=data["members"],
         overlay_dir=(base / data.get("overlay", "../overlay")).resolve(),
         raw=raw,
     )
+
+
+def _image(data: dict[str, Any], path: Path) -> ImageSettings:
+    data = dict(data)
+    override = os.environ.get("VLLM_OVERLAY_REPOSITORY")
+    if override:  # e.g. CI pushing to its own registry; validated like the field
+        try:
+            data["repository"] = _string(REPOSITORY_RE, "an image repository like ghcr.io/org/vllm-overlay")("VLLM_OVERLAY_REPOSITORY", override)
+        except _FieldError as exc:
+            raise InputError(f"environment: {exc}") from None
+    data["pip"] = PipSettings(**data.get("pip", {}))
+    wheel = data.get("vllm_wheel")
+    if wheel is not None:
+        if ("sha256" in wheel) == ("unverified" in wheel):
+            raise InputError(f"{path}: image.vllm_wheel: give sha256, or (only if it cannot be had yet) unverified: <why>")
+        data["vllm_wheel"] = VllmWheelSource(**wheel)
+    return ImageSettings(**data)
 
 
 def _pin(project: str, data: dict[str, Any], base: Path) -> WheelPin:

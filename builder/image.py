@@ -1,0 +1,161 @@
+"""Image: build the rendered context through the Docker SDK, tag it by key, push, record.
+
+The engine is whatever ``DOCKER_HOST`` names (``ssh://`` included, through the
+system ssh client).  A build is skipped when an image carrying the image key
+is already in the local engine, or its ``ik-`` tag is in the registry.  The
+produced-image row is written only after a build (and push) succeeded.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from builder import __version__
+from builder.errors import InputError, OverlayError
+from builder.key import short_key
+from builder.produced import append_row
+from builder.recipe import Recipe
+from builder.render import RenderedImage, context_tar, python_in_image
+
+Progress = Callable[[str], None]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def docker_client():  # noqa: ANN201 - docker.DockerClient, imported lazily (plan and check never need it)
+    import docker
+    from docker.errors import DockerException
+
+    host = os.environ.get("DOCKER_HOST", "the default socket")
+    try:
+        client = docker.from_env(use_ssh_client=host.startswith("ssh://"), timeout=600)
+        client.ping()
+    except DockerException as exc:
+        raise InputError(f"Docker engine at {host} cannot be reached: {str(exc).splitlines()[0]}") from None
+    return client
+
+
+def registry_of(repository: str) -> str | None:
+    """The registry host a repository names, if it names one (else Docker Hub: never assumed)."""
+    first = repository.split("/", 1)[0]
+    return first if "/" in repository and ("." in first or ":" in first or first == "localhost") else None
+
+
+@dataclass(frozen=True)
+class Tags:
+    runtime: str  # REPO:rk-<short runtime key>
+    image: str  # REPO:ik-<short image key>: the one the skip and plan check in a registry
+    moving: str  # REPO:<recipe name>
+
+
+def tags_for(recipe: Recipe, rendered: RenderedImage) -> Tags:
+    repo = recipe.image.repository
+    return Tags(f"{repo}:rk-{short_key(rendered.runtime_key)}", f"{repo}:ik-{rendered.short_image_key}", f"{repo}:{recipe.name}")
+
+
+def local_image(client, image_key: str):  # noqa: ANN001, ANN201
+    found = client.images.list(filters={"label": f"io.vllm-overlay.image-key={image_key}"})
+    return found[0] if found else None
+
+
+def in_registry(client, reference: str) -> str | None:  # noqa: ANN001
+    """The digest of ``reference`` in its registry, or None when the tag is not there."""
+    from docker.errors import APIError, NotFound
+
+    try:
+        return client.images.get_registry_data(reference).id
+    except NotFound:
+        return None
+    except APIError as exc:
+        if exc.status_code in (404, 401):  # some registries answer 401 for an unknown repository
+            return None
+        raise RegistryUnreachable(f"registry lookup of {reference} failed: {exc.explanation or exc}") from None
+
+
+class RegistryUnreachable(OverlayError):
+    """The registry did not answer: whether the tag is there is unknown."""
+
+
+def build(client, recipe: Recipe, rendered: RenderedImage, files: dict[str, bytes], progress: Progress = _stderr):  # noqa: ANN001, ANN201
+    """Build the context, stream its steps, then add the labels only the built image can tell."""
+    tags = tags_for(recipe, rendered)
+    image_id = _build(client, context_tar(files), tags.runtime, progress)
+    report = _report(client, image_id, python_in_image(recipe))
+    labels = {"io.vllm-overlay.torch-cuda": report["torch_cuda"], "io.vllm-overlay.nvcc": report["nvcc"]}
+    dockerfile = f"FROM {image_id}\nLABEL " + " ".join(f"{k}={json.dumps(v)}" for k, v in labels.items()) + "\n"
+    image_id = _build(client, context_tar({"Dockerfile": dockerfile.encode()}), tags.runtime, progress)
+    image = client.images.get(image_id)
+    for ref in (tags.image, tags.moving):
+        repo, tag = ref.rsplit(":", 1)
+        image.tag(repo, tag)
+    return image
+
+
+def _build(client, context: bytes, tag: str, progress: Progress) -> str:  # noqa: ANN001
+    from docker.errors import APIError
+
+    image_id = None
+    try:
+        stream = client.api.build(
+            fileobj=io.BytesIO(context), custom_context=True, tag=tag, rm=True, forcerm=True,
+            network_mode="host", decode=True, pull=False,
+        )
+        for chunk in stream:
+            if "stream" in chunk:
+                for line in chunk["stream"].splitlines():
+                    if line.strip():
+                        progress(line)
+            if "error" in chunk:
+                detail = chunk.get("errorDetail", {}).get("message") or chunk["error"]
+                raise OverlayError(f"image build failed: {detail.strip().splitlines()[-1]}")
+            if "aux" in chunk and "ID" in chunk["aux"]:
+                image_id = chunk["aux"]["ID"]
+    except APIError as exc:
+        raise OverlayError(f"image build failed: {exc.explanation or exc}") from None
+    if image_id is None:
+        raise OverlayError("image build finished without an image id")
+    return image_id
+
+
+def _report(client, image_id: str, python: str) -> dict[str, str]:  # noqa: ANN001
+    """torch's CUDA version and nvcc's, read by running the built image once (no network)."""
+    out = client.containers.run(image_id, [python, "/opt/vllm-overlay/image_checks.py", "report"], remove=True, network_mode="none")
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+def push(client, refs: list[str], progress: Progress = _stderr) -> str | None:  # noqa: ANN001
+    """Push each reference; return the registry digest of the pushed image."""
+    for ref in refs:
+        repo, tag = ref.rsplit(":", 1)
+        progress(f"push {ref}")
+        for chunk in client.api.push(repo, tag=tag, stream=True, decode=True):
+            if "error" in chunk:
+                raise OverlayError(f"push of {ref} failed: {chunk['error']}")
+            if chunk.get("status") in ("Pushed", "Layer already exists"):
+                progress(f"  {chunk.get('id', '')}: {chunk['status']}")
+    return in_registry(client, refs[0])
+
+
+def produced_row(recipe: Recipe, rendered: RenderedImage, reference: str, digest: str) -> dict[str, Any]:
+    return {
+        "recipe": recipe.name,
+        "runtime_key": rendered.runtime_key,
+        "image_key": rendered.image_key,
+        "image": reference,
+        "digest": digest,
+        "pins": {"vllm": recipe.vllm.version, "flashinfer": recipe.flashinfer.version},
+        "builder": __version__,
+        "time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def record(recipe: Recipe, rendered: RenderedImage, reference: str, digest: str) -> None:
+    append_row(produced_row(recipe, rendered, reference, digest))

@@ -1,0 +1,154 @@
+"""Render: the recipe's Dockerfile, its image key, and the build context.
+
+The template is rendered with Jinja2 in strict mode (an undefined variable is
+an error).  Every recipe value that reaches it has been validated by
+builder.recipe so it cannot add an instruction (no newlines, quotes or shell
+characters).  The image key covers the runtime key, every image setting and
+the rendered Dockerfile itself; it is computed from a rendering whose own
+image-key label and revision are placeholders, so neither feeds back into it,
+and a new commit of this tool does not force a rebuild.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shlex
+import subprocess
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from builder.apply import OverlaySet
+from builder.key import short_key
+from builder.output import MANIFEST, manifest_bytes
+from builder.recipe import Recipe
+
+IMAGES = Path(__file__).resolve().parent.parent / "images"
+TEMPLATE = IMAGES / "Dockerfile.j2"
+CHECKS = IMAGES / "image_checks.py"
+IMAGE_KEY_FORMAT = 1
+PLACEHOLDER = "@@"
+
+
+@dataclass(frozen=True)
+class RenderedImage:
+    dockerfile: str
+    image_key: str
+    runtime_key: str
+
+    @property
+    def short_image_key(self) -> str:
+        return self.image_key.removeprefix("ik-")[:16]
+
+
+def python_in_image(recipe: Recipe) -> str:
+    """The interpreter the checks run with: the venv's in CUDA mode, the base's own in vllm mode."""
+    return "python" if recipe.image.mode == "cuda" else f"python{recipe.image.python}"
+
+
+def pip_options(recipe: Recipe) -> str:
+    pip = recipe.image.pip
+    opts = ["--index-url", pip.index_url]
+    for url in pip.extra_index_urls:
+        opts += ["--extra-index-url", url]
+    for url in pip.find_links:
+        opts += ["--find-links", url]
+    for host in pip.trusted_hosts:
+        opts += ["--trusted-host", host]
+    if pip.no_deps:
+        opts.append("--no-deps")
+    return " ".join(shlex.quote(o) for o in opts)
+
+
+def requirements(recipe: Recipe) -> str:
+    wheel = recipe.image.vllm_wheel
+    if wheel is None:
+        vllm = f"vllm=={recipe.vllm.version}"
+    else:  # pip checks a #sha256= fragment on a direct URL
+        vllm = f"vllm @ {wheel.url}" + (f"#sha256={wheel.sha256}" if wheel.sha256 else "")
+    reqs = [vllm, f"flashinfer-python=={recipe.flashinfer.version}"]
+    if recipe.image.torch:
+        reqs.append(f"torch=={recipe.image.torch}")
+    return " ".join(shlex.quote(r) for r in reqs)
+
+
+def _template() -> jinja2.Template:
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)  # noqa: S701 - a Dockerfile, not HTML
+    return env.from_string(TEMPLATE.read_text(encoding="utf-8"))
+
+
+def _render(template: jinja2.Template, recipe: Recipe, runtime_key: str, image_key: str, revision: str) -> str:
+    try:
+        return template.render(
+            recipe=recipe,
+            image=recipe.image,
+            python=python_in_image(recipe),
+            pip_options=pip_options(recipe),
+            requirements=requirements(recipe),
+            runtime_key=runtime_key,
+            short_key=short_key(runtime_key),
+            image_key=image_key,
+            revision=revision,
+            members=list(recipe.members),
+        )
+    except jinja2.TemplateError as exc:
+        raise RuntimeError(f"{TEMPLATE}: {exc}") from exc
+
+
+def image_key_material(recipe: Recipe, runtime_key: str, skeleton: str) -> bytes:
+    image = recipe.image
+    lines = [
+        f"vllm-overlay-image-key {IMAGE_KEY_FORMAT}",
+        f"runtime-key {runtime_key}",
+        f"flashinfer {recipe.flashinfer.version} sha256:{recipe.flashinfer.sha256}",
+        f"base {image.base}",
+        f"mode {image.mode}",
+        f"cuda {image.cuda}",
+        f"arch torch={image.torch_cuda_arch_list} flashinfer={image.flashinfer_cuda_arch_list}",
+        f"python {image.python}",
+        f"pip {pip_options(recipe)}",
+        f"requirements {requirements(recipe)}",
+        f"dockerfile sha256:{hashlib.sha256(skeleton.encode()).hexdigest()}",
+        f"checks sha256:{hashlib.sha256(CHECKS.read_bytes()).hexdigest()}",
+    ]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def render_image(recipe: Recipe, runtime_key: str, revision: str | None = None) -> RenderedImage:
+    template = _template()
+    skeleton = _render(template, recipe, runtime_key, PLACEHOLDER, PLACEHOLDER)
+    image_key = "ik-" + hashlib.sha256(image_key_material(recipe, runtime_key, skeleton)).hexdigest()
+    dockerfile = _render(template, recipe, runtime_key, image_key, revision if revision is not None else git_revision())
+    return RenderedImage(dockerfile, image_key, runtime_key)
+
+
+def git_revision() -> str:
+    """The commit of this checkout (for the revision label), or 'unknown' outside git."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=IMAGES.parent, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def context_files(rendered: RenderedImage, overlay: OverlaySet, manifest_data: dict) -> dict[str, bytes]:
+    """Every file of the build context, by its path in the context."""
+    files = {"Dockerfile": rendered.dockerfile.encode(), CHECKS.name: CHECKS.read_bytes(), MANIFEST: manifest_bytes(manifest_data)}
+    for change in overlay.changes:
+        if change.after is not None:
+            files[f"overlay/{change.path}"] = change.after
+    return files
+
+
+def context_tar(files: dict[str, bytes]) -> bytes:
+    """A deterministic tar of the context: sorted, mtime 0, root-owned, so equal inputs give equal COPY layers."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in sorted(files):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(files[name]), 0o644, 0
+            tar.addfile(info, io.BytesIO(files[name]))
+    return buf.getvalue()

@@ -1,16 +1,17 @@
 """Members: parse and validate ``overlay/<name>.patch`` (a DEP-3 header, then a git diff).
 
-unidiff reads the diff; because it silently drops lines past a hunk's counts
-and ignores malformed hunk headers, a strict structural walk runs first and
-refuses anything it would not account for.  The result is a Member whose file
-patches carry exact bytes (line endings and missing final newlines kept).
+A strict walk reads every line of the diff as git apply would: it refuses
+anything it cannot account for (unidiff silently drops lines past a hunk's
+counts and ignores malformed hunk headers) and collects the hunks with the
+exact bytes of their lines (line endings and missing final newlines kept).
+unidiff reads the file-level facts: paths, extended headers, binary patches.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import AnyStr
@@ -162,8 +163,8 @@ def load_member(path: Path, name: str | None = None) -> Member:
     if start is None:
         raise MemberError(f"{where}: no git-style diff (no line starts with 'diff --git ')")
     fields = _parse_header(lines[:start], where)
-    _check_structure(lines, start, where)
-    files = _file_patches(lines[start:], where)
+    hunks = _walk(lines, start, where)
+    files = _file_patches(lines[start:], hunks, where)
     return Member(name, path, fields, files, _normalize(files))
 
 
@@ -216,12 +217,15 @@ def _check_fields(fields: dict[str, list[str]], where: str) -> None:
             raise MemberError(f"{where}: header: field {name!r} is empty")
 
 
-def _check_structure(lines: list[str], start: int, where: str) -> None:
-    """Walk the diff as git apply would and refuse every line it would not account for."""
+def _walk(lines: list[str], start: int, where: str) -> list[list[Hunk]]:
+    """Walk the diff as git apply would, refuse every line it would not account for, and
+    collect each file's hunks with the exact bytes of their lines."""
     old_left = new_left = 0
     in_hunk = False
     file_label = "?"
     hunk_no = 0
+    files: list[list[Hunk]] = []
+    body: list[tuple[str, bytes]] = []
     for index in range(start, len(lines)):
         number = index + 1
         line = lines[index].rstrip("\n")
@@ -231,8 +235,11 @@ def _check_structure(lines: list[str], start: int, where: str) -> None:
         if in_hunk and (old_left or new_left):
             kind = line[:1]
             if kind == NO_NEWLINE:
+                _no_newline(body)
                 continue
-            if kind in (" ", "") :
+            raw = lines[index]
+            body.append((kind or " ", (raw[1:] if kind else raw).encode("utf-8", "surrogateescape")))
+            if kind in (" ", ""):  # an empty line is an empty context line, as git reads it
                 old_left -= 1
                 new_left -= 1
             elif kind == "-":
@@ -248,6 +255,7 @@ def _check_structure(lines: list[str], start: int, where: str) -> None:
             in_hunk = False
             hunk_no = 0
             file_label = _git_line_path(line, here)
+            files.append([])
             continue
         if line.startswith(("--- ", "+++ ")) and not in_hunk:
             side = "a/" if line[0] == "-" else "b/"
@@ -265,9 +273,13 @@ def _check_structure(lines: list[str], start: int, where: str) -> None:
                 raise MemberError(f"{here}: hunk header {line!r} has no lines")
             in_hunk = True
             hunk_no += 1
+            body = []
+            numbers = [int(match.group(i)) if match.group(i) else 1 for i in (1, 2, 3, 4)]
+            files[-1].append(Hunk(hunk_no, *numbers, body))  # type: ignore[arg-type] - body is filled as we go
             continue
         if in_hunk:
             if line.startswith(NO_NEWLINE):
+                _no_newline(body)
                 continue
             raise MemberError(f"{here}: hunk {hunk_no} of {file_label} has more lines than its header says")
         if line.startswith("GIT binary patch") or line.startswith("Binary files "):
@@ -279,6 +291,14 @@ def _check_structure(lines: list[str], start: int, where: str) -> None:
             raise MemberError(f"{here}: unexpected line in the header of {file_label}: {line[:60]!r}")
     if in_hunk and (old_left or new_left):
         raise MemberError(f"{where}: line {len(lines)}: hunk {hunk_no} of {file_label} is shorter than its header says")
+    return [[replace(h, lines=tuple(h.lines)) for h in hunks] for hunks in files]
+
+
+def _no_newline(body: list[tuple[str, bytes]]) -> None:
+    """``\\ No newline at end of file``: the line before it has no line ending."""
+    if body:
+        kind, text = body[-1]
+        body[-1] = (kind, text[:-1] if text.endswith(b"\n") else text)
 
 
 def _git_line_path(line: str, here: str) -> str:
@@ -308,14 +328,17 @@ def _tree_path(raw: str, prefix: str, where: str) -> str | None:
     return path
 
 
-def _file_patches(diff_lines: list[str], where: str) -> tuple[FilePatch, ...]:
+def _file_patches(diff_lines: list[str], hunks: list[list[Hunk]], where: str) -> tuple[FilePatch, ...]:
+    """File-level facts from unidiff (paths, extended headers); hunks from the strict walk."""
     try:
-        patch_set = unidiff.PatchSet(diff_lines)
+        patch_set = unidiff.PatchSet(diff_lines, metadata_only=True)
     except unidiff.UnidiffParseError as exc:
         raise MemberError(f"{where}: malformed diff: {exc}") from None
     files: list[FilePatch] = []
     seen: set[str] = set()
-    for patched in patch_set:
+    if len(patch_set) != len(hunks):
+        raise MemberError(f"{where}: unidiff read {len(patch_set)} file patches where the diff has {len(hunks)}")
+    for patched, file_hunks in zip(patch_set, hunks):
         info = [str(line) for line in patched.patch_info]
         new_mode = next((l.split()[-1] for l in info if l.startswith("new file mode ")), None)
         if new_mode is not None and new_mode not in ("100644", "100755"):
@@ -333,21 +356,10 @@ def _file_patches(diff_lines: list[str], where: str) -> tuple[FilePatch, ...]:
         if path in seen:
             raise MemberError(f"{where}: {path} is patched twice in one member")
         seen.add(path)
-        if not len(patched):
+        if not file_hunks:
             raise MemberError(f"{where}: {path}: no hunks")
-        files.append(FilePatch(old_path, new_path, new_mode, tuple(_hunk(h, i) for i, h in enumerate(patched, 1))))
+        files.append(FilePatch(old_path, new_path, new_mode, tuple(file_hunks)))
     return tuple(files)
-
-
-def _hunk(hunk: unidiff.Hunk, number: int) -> Hunk:
-    lines: list[tuple[str, bytes]] = []
-    for line in hunk:
-        if line.line_type == NO_NEWLINE:
-            kind, text = lines[-1]
-            lines[-1] = (kind, text[:-1] if text.endswith(b"\n") else text)
-            continue
-        lines.append((line.line_type, line.value.encode("utf-8", "surrogateescape")))
-    return Hunk(number, hunk.source_start, hunk.source_length, hunk.target_start, hunk.target_length, tuple(lines))
 
 
 def _normalize(files: tuple[FilePatch, ...]) -> bytes:

@@ -1,0 +1,154 @@
+"""make bench: the speed figures the issues name, each beside the comparison it names.
+
+Timings are printed, never asserted (tests do not measure wall-clock time).
+Issue 2:
+  - warm `check` of the default recipe (wheel cached) <= 0.5 s; cold (first hash) <= 2 s;
+    against: unzip the whole wheel + `git apply --check` of the same members; ratio <= 0.2
+  - 500 generated members over 500 real files: apply <= 2x one `git apply` of the same
+    500 patches on an unpacked tree; time(500)/time(50) <= 12
+  - key of 500 members < 100 ms
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from builder.key import runtime_key  # noqa: E402
+from builder.members import load_recipe_members  # noqa: E402
+from builder.pin import cache_root, pinned_wheel  # noqa: E402
+from builder.recipe import load_recipe  # noqa: E402
+from tests.helpers import DEFAULT_RECIPE, git_diff, member_text, write_recipe  # noqa: E402
+
+ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+def wall(cmd: list[str], cwd: Path | None = None, env: dict | None = None, runs: int = 5) -> float:
+    """Median wall time of a command (it must succeed)."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=cwd, env=env or ENV, capture_output=True)
+        times.append(time.perf_counter() - start)
+        if proc.returncode not in (0,):
+            raise SystemExit(f"bench: {' '.join(map(str, cmd))} failed: {proc.stderr.decode()[-500:]}")
+    return statistics.median(times)
+
+
+def verdict(ok: bool) -> str:
+    return "ok" if ok else "OVER TARGET"
+
+
+def bench_check(wheel: Path) -> None:
+    recipe = load_recipe(DEFAULT_RECIPE)
+    members = load_recipe_members(recipe)
+    check = [sys.executable, "-m", "builder", "check", str(DEFAULT_RECIPE)]
+    warm = wall(check)
+    # cold: a cache holding the same wheel but no remembered hash, so the first run hashes 315 MB
+    colds = []
+    for _ in range(3):
+        with tempfile.TemporaryDirectory() as tmp:
+            dest = Path(tmp, "wheels", recipe.vllm.sha256, recipe.vllm.wheel)
+            dest.parent.mkdir(parents=True)
+            os.link(wheel, dest) if os.stat(wheel).st_dev == os.stat(tmp).st_dev else shutil.copy(wheel, dest)
+            colds.append(wall(check, env=dict(ENV, VLLM_OVERLAY_CACHE=tmp), runs=1))
+    cold = statistics.median(colds)
+    # the usual approach: unpack the whole wheel, then git apply --check each member in order
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        subprocess.run(["unzip", "-q", str(wheel), "-d", tmp], check=True)
+        if members:
+            subprocess.run(["git", "apply", "--check", *[str(m.path) for m in members]], cwd=tmp, check=True)
+        theirs = time.perf_counter() - start
+    print(f"check, default recipe ({len(members)} members):")
+    print(f"  warm  {warm:6.3f} s   target <= 0.5 s   {verdict(warm <= 0.5)}")
+    print(f"  cold  {cold:6.3f} s   target <= 2 s     {verdict(cold <= 2)}")
+    print(f"  unzip whole wheel + git apply --check: {theirs:6.3f} s")
+    print(f"  ratio warm/theirs {warm / theirs:5.3f}   cold/theirs {cold / theirs:5.3f}   target <= 0.2   {verdict(warm / theirs <= 0.2)}")
+
+
+def generate_members(wheel: Path, count: int, work: Path) -> tuple[Path, list[str]]:
+    """``count`` members, each changing two lines of its own real .py file of the wheel."""
+    with zipfile.ZipFile(wheel) as z:
+        names = sorted(n for n in z.namelist() if n.endswith(".py") and z.getinfo(n).file_size > 3000)[:count]
+        members = {}
+        for i, name in enumerate(names):
+            data = z.read(name)
+            lines = data.splitlines(keepends=True)
+            lines[len(lines) // 3] = b"# bench edit one\n"
+            lines[2 * len(lines) // 3] = b"# bench edit two\n"
+            members[f"m{i:03d}"] = member_text(git_diff({name: data}, {name: b"".join(lines)}))
+    return write_recipe(work, members), names
+
+
+def apply_in_process(recipe_path: Path, out: Path) -> tuple[float, float]:
+    """(whole apply pipeline, key alone): parse members, read the tree, apply, manifest, write."""
+    from builder.apply import apply_members
+    from builder.output import manifest, write_overlay
+    from builder.tree import pinned_tree
+
+    start = time.perf_counter()
+    recipe = load_recipe(recipe_path)
+    members = load_recipe_members(recipe)
+    key = runtime_key(recipe, members)
+    key_time = time.perf_counter() - start
+    overlay = apply_members(pinned_tree(recipe.vllm), members)
+    write_overlay(out, overlay, manifest(recipe, overlay, key))
+    return time.perf_counter() - start, key_time
+
+
+def git_apply_time(wheel: Path, names: list[str], patches: list[str], tree: Path) -> float:
+    """One `git apply` of every patch on a freshly unpacked copy of the touched files."""
+    shutil.rmtree(tree, ignore_errors=True)
+    with zipfile.ZipFile(wheel) as z:
+        for n in names:
+            z.extract(n, tree)
+    start = time.perf_counter()
+    subprocess.run(["git", "apply", *patches], cwd=tree, check=True)
+    return time.perf_counter() - start
+
+
+def bench_500(wheel: Path) -> None:
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for count in (50, 500):
+            work = Path(tmp, str(count))
+            work.mkdir()
+            recipe, names = generate_members(wheel, count, work)
+            assert len(names) == count, f"only {len(names)} files"
+            patches = sorted(str(p) for p in (work / "overlay").glob("*.patch"))
+            command = wall([sys.executable, "-m", "builder", "apply", str(recipe), "--out", str(work / "cli-out")], runs=5)
+            runs = [apply_in_process(recipe, work / f"out{i}") for i in range(5)]
+            theirs = statistics.median(git_apply_time(wheel, names, patches, work / "git-tree") for _ in range(5))
+            results[count] = (command, statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs), theirs)
+    command, inproc, key_time, theirs = results[500]
+    print("500 generated members over 500 real files (medians of 5):")
+    print(f"  git apply of the same 500 patches on an unpacked tree   {theirs:6.3f} s")
+    print(f"  our apply, in-process (parse, read wheel, apply, manifest, write)  {inproc:6.3f} s   ratio {inproc / theirs:5.2f}   target <= 2   {verdict(inproc / theirs <= 2)}")
+    print(f"  our apply, whole command (+ interpreter start-up)        {command:6.3f} s   ratio {command / theirs:5.2f}")
+    scale = results[500][1] / results[50][1]
+    print(f"  time(500)/time(50), in-process  {scale:5.2f}   ({results[50][1]:.3f} s for 50)   target <= 12   {verdict(scale <= 12)}")
+    print(f"  key of 500 members (parse + hash, in-process)  {key_time * 1000:6.1f} ms   target < 100 ms   {verdict(key_time < 0.1)}")
+
+
+def main() -> None:
+    wheel = pinned_wheel(load_recipe(DEFAULT_RECIPE).vllm)
+    print(f"vllm-overlay bench  (cache {cache_root()}, {os.cpu_count()} cores)\n")
+    bench_check(wheel)
+    print()
+    bench_500(wheel)
+
+
+if __name__ == "__main__":
+    main()

@@ -141,6 +141,12 @@ def cmd_stage(manifest_path, overlay_dir, staging):
             except py_compile.PyCompileError as exc:
                 fail(installed + ": does not byte-compile: " + str(exc.msg).strip().splitlines()[-1])
         print("vllm-overlay: staged " + entry["path"])
+    # One timestamp for everything staged, so the same overlay gives the same layer bytes.
+    epoch = int(os.environ.get("SOURCE_DATE_EPOCH", "0"))
+    for dirpath, dirnames, filenames in os.walk(staging, topdown=False):
+        for name in filenames + dirnames:
+            os.utime(os.path.join(dirpath, name), (epoch, epoch))
+    os.utime(staging, (epoch, epoch))
 
 
 def cmd_finish(manifest_path):

@@ -199,28 +199,21 @@ def test_static_fail_page_and_width(selftest_module):
     assert "no SM120 device" not in last
 
 
-def test_static_fail_page_only(selftest_module):
+@pytest.mark.parametrize(
+    ("page", "width", "present", "absent"),
+    [(32, 128, PAGE_REASON, "not in the decode dispatch set"), (64, 1152, WIDTH_REASON, "page_block_size")],
+    ids=["page-only", "width-only"],
+)
+def test_static_fail_one_cause(selftest_module, page, width, present, absent):
     rc, _, last = run(
         selftest_module,
         argv=("--static", "--", "/m"),
-        vf=vllm_facts(selftest_module, page=32, width=128),
+        vf=vllm_facts(selftest_module, page=page, width=width),
         device_capability=NO_DEVICE,
     )
     assert rc == 1
-    assert PAGE_REASON in last
-    assert "not in the decode dispatch set" not in last
-
-
-def test_static_fail_width_only(selftest_module):
-    rc, _, last = run(
-        selftest_module,
-        argv=("--static", "--", "/m"),
-        vf=vllm_facts(selftest_module, page=64, width=1152),
-        device_capability=NO_DEVICE,
-    )
-    assert rc == 1
-    assert WIDTH_REASON in last
-    assert "page_block_size" not in last
+    assert present in last
+    assert absent not in last
 
 
 def test_no_device_lists_static_refusals_too(selftest_module):

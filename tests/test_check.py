@@ -89,3 +89,16 @@ def test_standalone_member_is_also_tried_alone(tmp_path, wheel_zip):
     assert [m["status"] for m in report["members"]] == ["applied", "applied", "applied"]
     assert [(m["member"], m["status"]) for m in report["standalone"]] == [("dependent", "conflict"), ("independent", "applied")]
     assert proc.returncode == 1
+
+
+def test_default_recipe_checks_clean_on_the_real_tree():
+    from tests.helpers import DEFAULT_RECIPE
+
+    proc = run_cli("check", DEFAULT_RECIPE, "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert [(m["member"], m["status"]) for m in report["members"]] == [
+        ("sm120_swa_page_block_size", "applied"),
+        ("sm120_decode_shape_selftest", "applied"),
+    ]
+    assert [(m["member"], m["status"]) for m in report["standalone"]] == [("sm120_decode_shape_selftest", "applied")]

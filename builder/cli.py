@@ -121,6 +121,8 @@ def cmd_image(args: argparse.Namespace) -> int:
             _progress(f"warning: {exc}; building")
     if built is not None:
         _progress(f"up to date: an image with image key {rendered.image_key} is in the engine ({built.id})")
+        for ref in (tags.runtime, tags.image, tags.moving):  # this repository's tags may be missing (another repository built it)
+            built.tag(*ref.rsplit(":", 1))
     elif digest is not None:
         _progress(f"up to date: {tags.image} is in the registry ({digest})")
     else:

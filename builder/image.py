@@ -12,6 +12,7 @@ import datetime
 import io
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -62,8 +63,15 @@ def tags_for(recipe: Recipe, rendered: RenderedImage) -> Tags:
 
 
 def local_image(client, image_key: str):  # noqa: ANN001, ANN201
-    found = client.images.list(filters={"label": f"io.vllm-overlay.image-key={image_key}"})
-    return found[0] if found else None
+    """The image this builder made for the key.
+
+    An image built FROM it inherits its labels, so the label alone does not
+    tell; the builder's own last step (the labels it adds after the build) does.
+    """
+    for image in client.images.list(filters={"label": f"io.vllm-overlay.image-key={image_key}"}):
+        if "LABEL io.vllm-overlay.torch-cuda=" in (client.api.history(image.id)[0].get("CreatedBy") or ""):
+            return image
+    return None
 
 
 def in_registry(client, reference: str) -> str | None:  # noqa: ANN001
@@ -99,10 +107,14 @@ def build(client, recipe: Recipe, rendered: RenderedImage, files: dict[str, byte
     return image
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _build(client, context: bytes, tag: str, progress: Progress) -> str:  # noqa: ANN001
+    """Run one build, streaming its steps; a failure is one line saying what the failing step said."""
     from docker.errors import APIError
 
-    image_id = None
+    image_id, said = None, None
     try:
         stream = client.api.build(
             fileobj=io.BytesIO(context), custom_context=True, tag=tag, rm=True, forcerm=True,
@@ -110,12 +122,19 @@ def _build(client, context: bytes, tag: str, progress: Progress) -> str:  # noqa
         )
         for chunk in stream:
             if "stream" in chunk:
-                for line in chunk["stream"].splitlines():
-                    if line.strip():
-                        progress(line)
+                text = chunk["stream"]
+                from_stderr = text.startswith("\x1b[91m")  # the engine colours a step's stderr
+                for line in ANSI.sub("", text).splitlines():
+                    if not line.strip():
+                        continue
+                    progress(line)
+                    if line.startswith("Step "):
+                        said = None
+                    elif from_stderr:
+                        said = line.strip().removeprefix("vllm-overlay: ")
             if "error" in chunk:
                 detail = chunk.get("errorDetail", {}).get("message") or chunk["error"]
-                raise OverlayError(f"image build failed: {detail.strip().splitlines()[-1]}")
+                raise OverlayError(f"image build failed: {said or detail.strip().splitlines()[-1]}")
             if "aux" in chunk and "ID" in chunk["aux"]:
                 image_id = chunk["aux"]["ID"]
     except APIError as exc:

@@ -24,7 +24,7 @@ import jinja2
 from builder.apply import OverlaySet
 from builder.key import short_key
 from builder.output import MANIFEST, manifest_bytes
-from builder.recipe import Recipe
+from builder.recipe import URL_RE, Recipe
 
 IMAGES = Path(__file__).resolve().parent.parent / "images"
 TEMPLATE = IMAGES / "Dockerfile.j2"
@@ -80,9 +80,10 @@ def _template() -> jinja2.Template:
     return env.from_string(TEMPLATE.read_text(encoding="utf-8"))
 
 
-def _render(template: jinja2.Template, recipe: Recipe, runtime_key: str, image_key: str, revision: str) -> str:
+def _render(template: jinja2.Template, recipe: Recipe, runtime_key: str, image_key: str, revision: str, source: str) -> str:
     try:
         return template.render(
+            source=source,
             recipe=recipe,
             image=recipe.image,
             python=python_in_image(recipe),
@@ -119,19 +120,29 @@ def image_key_material(recipe: Recipe, runtime_key: str, skeleton: str) -> bytes
 
 def render_image(recipe: Recipe, runtime_key: str, revision: str | None = None) -> RenderedImage:
     template = _template()
-    skeleton = _render(template, recipe, runtime_key, PLACEHOLDER, PLACEHOLDER)
+    skeleton = _render(template, recipe, runtime_key, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER)
     image_key = "ik-" + hashlib.sha256(image_key_material(recipe, runtime_key, skeleton)).hexdigest()
-    dockerfile = _render(template, recipe, runtime_key, image_key, revision if revision is not None else git_revision())
+    if revision is None:
+        revision, source = _git("rev-parse", "HEAD") or "unknown", recipe.image.source or _origin_url()
+    else:
+        source = recipe.image.source or ""
+    dockerfile = _render(template, recipe, runtime_key, image_key, revision, source)
     return RenderedImage(dockerfile, image_key, runtime_key)
 
 
-def git_revision() -> str:
-    """The commit of this checkout (for the revision label), or 'unknown' outside git."""
+def _git(*args: str) -> str | None:
+    """A git answer about this checkout, or None outside git."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=IMAGES.parent, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", *args], cwd=IMAGES.parent, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _origin_url() -> str:
+    """The checkout's origin, for the source label: only a plain URL without credentials."""
+    url = _git("config", "--get", "remote.origin.url") or ""
+    return url if URL_RE.fullmatch(url) and "@" not in url else ""
 
 
 def context_files(rendered: RenderedImage, overlay: OverlaySet, manifest_data: dict) -> dict[str, bytes]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import AnyStr
@@ -224,7 +224,7 @@ def _walk(lines: list[str], start: int, where: str) -> list[list[Hunk]]:
     in_hunk = False
     file_label = "?"
     hunk_no = 0
-    files: list[list[Hunk]] = []
+    files: list[list[tuple]] = []  # per file: (number, old start, old count, new start, new count, lines)
     body: list[tuple[str, bytes]] = []
     for index in range(start, len(lines)):
         number = index + 1
@@ -267,15 +267,14 @@ def _walk(lines: list[str], start: int, where: str) -> list[list[Hunk]]:
             match = HUNK_HEADER_RE.fullmatch(line)
             if not match:
                 raise MemberError(f"{here}: malformed hunk header {line[:80]!r}")
-            old_left = int(match.group(2) or 1) if match.group(2) != "0" else 0
-            new_left = int(match.group(4) or 1) if match.group(4) != "0" else 0
+            # a count left out of the header is 1, as in "@@ -0,0 +1 @@"
+            old_start, old_left, new_start, new_left = (int(g) if g else 1 for g in match.groups())
             if old_left == new_left == 0:
                 raise MemberError(f"{here}: hunk header {line!r} has no lines")
             in_hunk = True
             hunk_no += 1
-            body = []
-            numbers = [int(match.group(i)) if match.group(i) else 1 for i in (1, 2, 3, 4)]
-            files[-1].append(Hunk(hunk_no, *numbers, body))  # type: ignore[arg-type] - body is filled as we go
+            body = []  # filled line by line below
+            files[-1].append((hunk_no, old_start, old_left, new_start, new_left, body))
             continue
         if in_hunk:
             if line.startswith(NO_NEWLINE):
@@ -291,7 +290,7 @@ def _walk(lines: list[str], start: int, where: str) -> list[list[Hunk]]:
             raise MemberError(f"{here}: unexpected line in the header of {file_label}: {line[:60]!r}")
     if in_hunk and (old_left or new_left):
         raise MemberError(f"{where}: line {len(lines)}: hunk {hunk_no} of {file_label} is shorter than its header says")
-    return [[replace(h, lines=tuple(h.lines)) for h in hunks] for hunks in files]
+    return [[Hunk(*spec[:5], tuple(spec[5])) for spec in hunks] for hunks in files]
 
 
 def _no_newline(body: list[tuple[str, bytes]]) -> None:

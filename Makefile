@@ -6,6 +6,14 @@ OUT ?= out
 # The rank's vllm serve argv for `make probe` (a checkpoint directory holding config.json).
 SERVE_ARGV ?= $(OUT)/checkpoint-v41 --headless -tp 4
 
+# The engine `make setup` started, unless DOCKER_HOST names another (ssh:// works too).
+ifeq ($(DOCKER_HOST),)
+DOCKER_HOST := $(shell sed -n 's/^DOCKER_HOST=//p' /run/vllm-overlay/env 2>/dev/null)
+endif
+ifneq ($(DOCKER_HOST),)
+export DOCKER_HOST
+endif
+
 .PHONY: setup image check key overlay dockerfile probe probe-venv test bench
 
 setup:            ## fresh machine: Python deps, Debian packages, local services (needs root)

@@ -56,15 +56,6 @@ class Hunk:
         return [text for kind, text in self.lines if kind != "-"]
 
     @property
-    def leading_context(self) -> int:
-        n = 0
-        for kind, _ in self.lines:
-            if kind != " ":
-                break
-            n += 1
-        return n
-
-    @property
     def trailing_context(self) -> int:
         n = 0
         for kind, _ in reversed(self.lines):

@@ -121,15 +121,14 @@ def cmd_image(args: argparse.Namespace) -> int:
             _progress(f"warning: {exc}; building")
     if built is not None:
         _progress(f"up to date: an image with image key {rendered.image_key} is in the engine ({built.id})")
-        for ref in (tags.runtime, tags.image, tags.moving):  # this repository's tags may be missing (another repository built it)
-            built.tag(*ref.rsplit(":", 1))
+        img.tag_all(built, tags)  # this repository's tags may be missing (another repository built it)
     elif digest is not None:
         _progress(f"up to date: {tags.image} is in the registry ({digest})")
     else:
         _progress(f"building {tags.runtime} (image key {rendered.image_key})")
         built = img.build(client, recipe, rendered, files)
     if args.push and built is not None:
-        digest = img.push(client, [tags.runtime, tags.image, tags.moving])
+        digest = img.push(client, tags.all())
     if find_row(rendered.image_key) is None:
         img.record(recipe, rendered, tags.runtime, digest or built.id)
     print(tags.runtime)

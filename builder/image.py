@@ -56,6 +56,14 @@ class Tags:
     image: str  # REPO:ik-<short image key>: the one the skip and plan check in a registry
     moving: str  # REPO:<recipe name>
 
+    def all(self) -> list[str]:
+        return [self.runtime, self.image, self.moving]
+
+
+def tag_all(image, tags: Tags) -> None:  # noqa: ANN001 - a docker Image
+    for ref in tags.all():
+        image.tag(*ref.rsplit(":", 1))
+
 
 def tags_for(recipe: Recipe, rendered: RenderedImage) -> Tags:
     repo = recipe.image.repository
@@ -101,9 +109,7 @@ def build(client, recipe: Recipe, rendered: RenderedImage, files: dict[str, byte
     dockerfile = f"FROM {image_id}\nLABEL " + " ".join(f"{k}={json.dumps(v)}" for k, v in labels.items()) + "\n"
     image_id = _build(client, context_tar({"Dockerfile": dockerfile.encode()}), tags.runtime, progress)
     image = client.images.get(image_id)
-    for ref in (tags.image, tags.moving):
-        repo, tag = ref.rsplit(":", 1)
-        image.tag(repo, tag)
+    tag_all(image, tags)
     return image
 
 

@@ -10,7 +10,6 @@ files.  The installed files must be the pinned tree's (before hashes).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import tempfile
@@ -18,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.apply import OverlaySet, apply_members
+from builder.apply import OverlaySet, apply_members, sha256
 from builder.errors import InputError
 from builder.members import Member
 from builder.probe_env import shadow_tree
@@ -78,7 +77,7 @@ def check_installed_matches(vllm_dir: Path, overlay: OverlaySet) -> None:
     site = vllm_dir.parent
     for change in overlay.changes:
         installed = site / change.path
-        have = hashlib.sha256(installed.read_bytes()).hexdigest() if installed.is_file() else None
+        have = sha256(installed.read_bytes() if installed.is_file() else None)
         if have != change.before_sha256:
             raise InputError(
                 f"{installed}: the installed vLLM differs from the pinned tree "

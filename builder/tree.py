@@ -29,7 +29,6 @@ class Tree(Protocol):
     def read(self, path: str) -> bytes | None:
         """The file's bytes, or None when the tree has no such file."""
 
-
     def check_writable(self, path: str) -> str | None:
         """Why writing ``path`` would leave the tree (through a symlink), or None."""
 
@@ -101,9 +100,6 @@ class WheelTree:
         return {name: _Entry(*row) for name, row in rows.items()}
 
     def read(self, path: str) -> bytes | None:
-        return self._read_now(path)
-
-    def _read_now(self, path: str) -> bytes | None:
         entry = self._entries.get(path)
         if entry is None or entry.is_dir:
             return None
@@ -131,7 +127,7 @@ class WheelTree:
             prefix = "/".join(parts[:depth])
             info = self._entries.get(prefix)
             if info is not None and info.is_symlink:
-                target = (self._read_now(prefix) or b"").decode("utf-8", "replace")
+                target = (self.read(prefix) or b"").decode("utf-8", "replace")
                 if _escapes(posixpath.dirname(prefix), target):
                     return f"{prefix} is a symlink to {target}, outside the tree"
         return None
@@ -140,7 +136,7 @@ class WheelTree:
         for name, info in self._entries.items():
             if info.is_dir or info.is_symlink:
                 continue
-            yield name, self._read_now(name) or b"", (info.external_attr >> 16) & 0o777 or 0o644
+            yield name, self.read(name) or b"", (info.external_attr >> 16) & 0o777 or 0o644
 
 
 class DirTree:

@@ -6,6 +6,10 @@ byte for byte; a hunk at line 1 must match at the start and a hunk without
 trailing context at the end of the file.  A found offset is allowed and
 reported.  Work happens on an in-memory copy of the touched files only, so a
 failure leaves nothing behind.
+
+Files are kept as bytes, not split into lines: a hunk's old lines are one
+byte string, found with ``bytes.find`` at a line boundary and numbered by
+counting newlines, so applying costs little more than reading the file.
 """
 
 from __future__ import annotations
@@ -39,11 +43,19 @@ class Overlap:
     earlier: tuple[str, ...]
 
 
+# (first line, end line, member): a run of lines a member wrote; other lines are the base tree's
+Owned = tuple[int, int, str]
+
+
 @dataclass
 class FileState:
-    lines: list[bytes] | None  # None: the file is absent
-    owners: list[str | None]  # per line, the member that wrote it (None: the base tree)
+    data: bytes | None  # None: the file is absent
+    owned: tuple[Owned, ...] = ()  # sorted, disjoint
     mode: int | None = None  # set for files a member creates
+
+    @property
+    def lines(self) -> list[bytes] | None:
+        return None if self.data is None else split_lines(self.data)
 
 
 @dataclass
@@ -106,8 +118,7 @@ class Workspace:
         if path not in self.files:
             data = self.tree.read(path)
             self.base[path] = data
-            lines = None if data is None else split_lines(data)
-            self.files[path] = FileState(lines, [None] * len(lines or ()))
+            self.files[path] = FileState(data)
         return self.files[path]
 
     def check_paths(self, member: Member) -> None:
@@ -133,8 +144,7 @@ class Workspace:
         out = []
         for path, names in self.touched_by.items():
             state = self.files[path]
-            after = None if state.lines is None else b"".join(state.lines)
-            out.append(FileChange(path, self.base[path], after, state.mode, tuple(names)))
+            out.append(FileChange(path, self.base[path], state.data, state.mode, tuple(names)))
         return tuple(out)
 
 
@@ -154,65 +164,114 @@ def apply_members(tree: Tree, members: list[Member] | tuple[Member, ...]) -> Ove
 
 def _apply_file(fp: FilePatch, state: FileState, member: str, result: MemberResult) -> FileState:
     path = fp.path
-    if fp.old_path is None and state.lines is not None:
+    if fp.old_path is None and state.data is not None:
         raise HunkFailure(path, None, "a new file, but the tree already has it")
-    if fp.old_path is not None and state.lines is None:
+    if fp.old_path is not None and state.data is None:
         raise HunkFailure(path, None, "the tree has no such file")
-    lines = list(state.lines or ())
-    owners = list(state.owners)
+    data = state.data or b""
+    owned = state.owned
+    known = (0, 0)  # (line, byte offset) of a line start: newlines before it are counted
     for hunk in fp.hunks:
-        old = hunk.old_lines
         anchor = max(hunk.new_start - 1, 0)
-        pos = find_hunk(lines, old, anchor, hunk)
-        if pos is None:
-            raise HunkFailure(path, hunk, _mismatch(lines, old, anchor), at=anchor)
-        if pos != anchor:
-            result.offsets.append(HunkOffset(path, hunk, pos - anchor))
-        consumed = owners[pos : pos + len(old)]
-        earlier = sorted({o for o in consumed if o is not None and o != member})
+        found = find_hunk(data, hunk, anchor, known)
+        if found is None:
+            raise HunkFailure(path, hunk, _mismatch(split_lines(data), hunk.old_lines, anchor), at=anchor)
+        line, start = found
+        if line != anchor:
+            result.offsets.append(HunkOffset(path, hunk, line - anchor))
+        owned, earlier = _reown(owned, line, hunk, member)
         if earlier:
-            result.overlaps.append(Overlap(path, hunk, tuple(earlier)))
-        new_owners: list[str | None] = []
-        taken = iter(consumed)
-        for kind, _ in hunk.lines:
-            if kind == " ":
-                new_owners.append(next(taken))
-            elif kind == "-":
-                next(taken)
-            else:
-                new_owners.append(member)
-        lines[pos : pos + len(old)] = hunk.new_lines
-        owners[pos : pos + len(old)] = new_owners
+            result.overlaps.append(Overlap(path, hunk, earlier))
+        data = b"".join((data[:start], hunk.new_block, data[start + len(hunk.old_block) :]))
+        if hunk.new_block.endswith(b"\n"):
+            known = (line + len(hunk.new_lines), start + len(hunk.new_block))
     if fp.new_path is None:
-        if lines:
-            raise HunkFailure(path, None, f"a deletion, but {len(lines)} lines would remain")
-        return FileState(None, [], None)
+        if data:
+            raise HunkFailure(path, None, f"a deletion, but {len(split_lines(data))} lines would remain")
+        return FileState(None)
     mode = int(fp.new_mode, 8) & 0o777 if fp.new_mode else state.mode
-    return FileState(lines, owners, mode)
+    return FileState(data, owned, mode)
 
 
-def find_hunk(lines: list[bytes], old: list[bytes], anchor: int, hunk: Hunk) -> int | None:
-    """Where ``old`` matches exactly: nearest to ``anchor``, forward first, as git apply searches."""
-    n, size = len(old), len(lines)
-    if n > size:
+def find_hunk(data: bytes, hunk: Hunk, anchor: int, known: tuple[int, int] = (0, 0)) -> tuple[int, int] | None:
+    """(line, byte offset) where the hunk's old lines match exactly, or None.
+
+    The place git apply picks: the match nearest to ``anchor`` (0-based line),
+    forward first on a tie.  Only a line boundary counts as a start, and a last
+    line without a newline can only be the file's last line.  ``known`` is a
+    line start whose line number is known, so counting can start there.
+    """
+    old = hunk.old_block
+    if not hunk.old_fits_a_file:
         return None
     match_beginning = hunk.old_start <= 1
-    match_end = hunk.trailing_context == 0
-    if match_beginning or match_end:
-        pos = 0 if match_beginning else size - n
-        if match_end and pos + n != size:
+    match_end = hunk.trailing_context == 0 or (old and not old.endswith(b"\n"))
+    if match_beginning:
+        fits = data == old if match_end else data.startswith(old) and (old.endswith(b"\n") or len(old) == len(data))
+        return (0, 0) if fits else None
+    if match_end:
+        start = len(data) - len(old)
+        if not data.endswith(old) or (start and old and data[start - 1] != 10):
             return None
-        return pos if lines[pos : pos + n] == old else None
-    last = size - n
-    anchor = min(anchor, last)
-    if lines[anchor : anchor + n] == old:
-        return anchor
-    first = old[0] if old else None
-    for distance in range(1, max(anchor, last - anchor) + 1):
-        for pos in (anchor + distance, anchor - distance):
-            if 0 <= pos <= last and lines[pos] == first and lines[pos : pos + n] == old:
-                return pos
-    return None
+        line, counted = known if known[1] <= start else (0, 0)
+        return line + data.count(b"\n", counted, start) + (not old and not data.endswith(b"\n") and bool(data)), start
+    # every match is line-aligned and ends with a newline: walk them in order, counting lines
+    line = counted = 0
+    behind: tuple[int, int] | None = None  # the last match before the anchor
+    pos = data.find(old)
+    while pos >= 0:
+        if pos == 0 or data[pos - 1] == 10:
+            if counted < known[1] <= pos:
+                line, counted = known
+            line += data.count(b"\n", counted, pos)
+            counted = pos
+            if line >= anchor:
+                if behind is None or line - anchor <= anchor - behind[0]:
+                    return line, pos
+                return behind
+            behind = (line, pos)
+        pos = data.find(old, pos + 1)
+    return behind
+
+
+def _reown(owned: tuple[Owned, ...], line: int, hunk: Hunk, member: str) -> tuple[tuple[Owned, ...], tuple[str, ...]]:
+    """The runs of member-written lines once ``hunk`` has replaced its old lines at ``line``,
+    and the earlier members whose lines it read (context it kept or lines it removed)."""
+    if not owned:  # the usual case: no member wrote this file before
+        return tuple((line + first, line + end, member) for first, end in hunk.added_runs), ()
+    end = line + len(hunk.old_lines)
+    shift = len(hunk.new_lines) - len(hunk.old_lines)
+    before: list[Owned] = []
+    after: list[Owned] = []
+    inside: list[Owned] = []  # the parts of runs within the replaced lines
+    for first, stop, who in owned:
+        if first < line:
+            before.append((first, min(stop, line), who))
+        if stop > end:
+            after.append((max(first, end) + shift, stop + shift, who))
+        if first < end and stop > line:
+            inside.append((max(first, line), min(stop, end), who))
+
+    def owner(at: int) -> str | None:
+        return next((who for first, stop, who in inside if first <= at < stop), None)
+
+    earlier = {who for _, _, who in inside if who != member}
+    region: list[Owned] = []
+    old_at = new_at = line
+    for kind, _ in hunk.lines:
+        if kind == "-":
+            old_at += 1
+            continue
+        who = member if kind == "+" else owner(old_at)
+        if kind == " ":
+            old_at += 1
+        if who is not None:
+            if region and region[-1][1] == new_at and region[-1][2] == who:
+                region[-1] = (region[-1][0], new_at + 1, who)
+            else:
+                region.append((new_at, new_at + 1, who))
+        new_at += 1
+    return (*before, *region, *after), tuple(sorted(earlier))
 
 
 def nearest_partial_match(lines: list[bytes], old: list[bytes], anchor: int) -> tuple[int, int] | None:

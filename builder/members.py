@@ -47,13 +47,43 @@ class Hunk:
     def header(self) -> str:
         return f"@@ -{self.old_start},{self.old_len} +{self.new_start},{self.new_len} @@"
 
-    @property
+    @cached_property
     def old_lines(self) -> list[bytes]:
         return [text for kind, text in self.lines if kind != "+"]
 
-    @property
+    @cached_property
     def new_lines(self) -> list[bytes]:
         return [text for kind, text in self.lines if kind != "-"]
+
+    @cached_property
+    def old_block(self) -> bytes:
+        """The lines the hunk replaces, as the bytes they are in the file."""
+        return b"".join(self.old_lines)
+
+    @cached_property
+    def new_block(self) -> bytes:
+        return b"".join(self.new_lines)
+
+    @cached_property
+    def old_fits_a_file(self) -> bool:
+        """False when an old line without a newline comes before others: no file holds that."""
+        return all(line.endswith(b"\n") for line in self.old_lines[:-1])
+
+    @cached_property
+    def added_runs(self) -> tuple[tuple[int, int], ...]:
+        """Runs of added lines, as [first, end) line numbers counted from the hunk's first new line."""
+        runs: list[tuple[int, int]] = []
+        at = 0
+        for kind, _ in self.lines:
+            if kind == "-":
+                continue
+            if kind == "+":
+                if runs and runs[-1][1] == at:
+                    runs[-1] = (runs[-1][0], at + 1)
+                else:
+                    runs.append((at, at + 1))
+            at += 1
+        return tuple(runs)
 
     @property
     def trailing_context(self) -> int:
@@ -148,15 +178,19 @@ def load_member(path: Path, name: str | None = None) -> Member:
         raise MemberError(f"{where}: no such member file") from None
     except OSError as exc:
         raise MemberError(f"{where}: cannot read: {exc}") from None
-    text = data.decode("utf-8", "surrogateescape")
-    lines = split_lines(text)
-    start = next((i for i, line in enumerate(lines) if line.startswith("diff --git ")), None)
+    # Lines stay bytes: hunk lines are kept exactly; only the few structural lines are decoded.
+    lines = split_lines(data)
+    start = next((i for i, line in enumerate(lines) if line.startswith(b"diff --git ")), None)
     if start is None:
         raise MemberError(f"{where}: no git-style diff (no line starts with 'diff --git ')")
-    fields = _parse_header(lines[:start], where)
-    hunks = _walk(lines, start, where)
-    files = _file_patches(lines[start:], hunks, where)
+    fields = _parse_header([_text(line) for line in lines[:start]], where)
+    hunks, file_headers = _walk(lines, start, where)
+    files = _file_patches(file_headers, hunks, where)
     return Member(name, path, fields, files, _normalize(files))
+
+
+def _text(line: bytes) -> str:
+    return line.decode("utf-8", "surrogateescape")
 
 
 def _parse_header(lines: list[str], where: str) -> dict[str, list[str]]:
@@ -208,51 +242,33 @@ def _check_fields(fields: dict[str, list[str]], where: str) -> None:
             raise MemberError(f"{where}: header: field {name!r} is empty")
 
 
-def _walk(lines: list[str], start: int, where: str) -> list[list[Hunk]]:
+def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[Hunk]], list[str]]:
     """Walk the diff as git apply would, refuse every line it would not account for, and
-    collect each file's hunks with the exact bytes of their lines."""
-    old_left = new_left = 0
-    in_hunk = False
+    collect each file's hunks with the exact bytes of their lines.  Also returns the
+    file-level lines (everything outside the hunks), which is what unidiff reads."""
+    in_hunk = False  # after a hunk's body, until the next hunk or file
     file_label = "?"
     hunk_no = 0
     files: list[list[tuple]] = []  # per file: (number, old start, old count, new start, new count, lines)
+    file_headers: list[str] = []
     body: list[tuple[str, bytes]] = []
-    for index in range(start, len(lines)):
-        number = index + 1
-        line = lines[index].rstrip("\n")
-        if line.endswith("\r") and not in_hunk:
-            line = line[:-1]
-        here = f"{where}: line {number}"
-        if in_hunk and (old_left or new_left):
-            kind = line[:1]
-            if kind == NO_NEWLINE:
-                _no_newline(body)
-                continue
-            raw = lines[index]
-            body.append((kind or " ", (raw[1:] if kind else raw).encode("utf-8", "surrogateescape")))
-            if kind in (" ", ""):  # an empty line is an empty context line, as git reads it
-                old_left -= 1
-                new_left -= 1
-            elif kind == "-":
-                old_left -= 1
-            elif kind == "+":
-                new_left -= 1
-            else:
-                raise MemberError(f"{here}: hunk {hunk_no} of {file_label} is shorter than its header says")
-            if old_left < 0 or new_left < 0:
-                raise MemberError(f"{here}: hunk {hunk_no} of {file_label} has more lines than its header says")
+    index, count = start, len(lines)
+    while index < count:
+        raw = lines[index]
+        index += 1
+        if in_hunk and raw.startswith(b"\\"):
+            _no_newline(body)
             continue
+        line = _text(raw).rstrip("\n")
+        if line.endswith("\r"):
+            line = line[:-1]
+        here = f"{where}: line {index}"
         if line.startswith("diff --git "):
             in_hunk = False
             hunk_no = 0
             file_label = _git_line_path(line, here)
             files.append([])
-            continue
-        if line.startswith(("--- ", "+++ ")) and not in_hunk:
-            side = "a/" if line[0] == "-" else "b/"
-            named = line[4:].split("\t")[0]
-            if named not in (side + file_label, "/dev/null"):
-                raise MemberError(f"{here}: {line[:4]}{named!r} does not match the 'diff --git' line (expected {side}{file_label} or /dev/null)")
+            file_headers.append(_text(raw))
             continue
         if line.startswith("@@"):
             match = HUNK_HEADER_RE.fullmatch(line)
@@ -264,14 +280,46 @@ def _walk(lines: list[str], start: int, where: str) -> list[list[Hunk]]:
                 raise MemberError(f"{here}: hunk header {line!r} has no lines")
             in_hunk = True
             hunk_no += 1
-            body = []  # filled line by line below
+            body = []
             files[-1].append((hunk_no, old_start, old_left, new_start, new_left, body))
+            # the body: exactly as many lines as the header counts
+            while old_left or new_left:
+                if index >= count:
+                    raise MemberError(f"{where}: line {count}: hunk {hunk_no} of {file_label} is shorter than its header says")
+                raw = lines[index]
+                index += 1
+                kind = raw[:1]
+                if kind == b" ":
+                    body.append((" ", raw[1:]))
+                    old_left -= 1
+                    new_left -= 1
+                elif kind == b"-":
+                    body.append(("-", raw[1:]))
+                    old_left -= 1
+                elif kind == b"+":
+                    body.append(("+", raw[1:]))
+                    new_left -= 1
+                elif raw == b"\n":  # an empty line is an empty context line, as git reads it
+                    body.append((" ", raw))
+                    old_left -= 1
+                    new_left -= 1
+                elif kind == b"\\":
+                    _no_newline(body)
+                    continue
+                else:
+                    raise MemberError(f"{where}: line {index}: hunk {hunk_no} of {file_label} is shorter than its header says")
+                if old_left < 0 or new_left < 0:
+                    raise MemberError(f"{where}: line {index}: hunk {hunk_no} of {file_label} has more lines than its header says")
             continue
         if in_hunk:
-            if line.startswith(NO_NEWLINE):
-                _no_newline(body)
-                continue
             raise MemberError(f"{here}: hunk {hunk_no} of {file_label} has more lines than its header says")
+        if line.startswith(("--- ", "+++ ")):
+            side = "a/" if line[0] == "-" else "b/"
+            named = line[4:].split("\t")[0]
+            if named not in (side + file_label, "/dev/null"):
+                raise MemberError(f"{here}: {line[:4]}{named!r} does not match the 'diff --git' line (expected {side}{file_label} or /dev/null)")
+            file_headers.append(_text(raw))
+            continue
         if line.startswith("GIT binary patch") or line.startswith("Binary files "):
             raise MemberError(f"{here}: {file_label}: binary diffs are not supported")
         for prefix, what in UNSUPPORTED_HEADERS.items():
@@ -279,9 +327,8 @@ def _walk(lines: list[str], start: int, where: str) -> list[list[Hunk]]:
                 raise MemberError(f"{here}: {file_label}: {what} is not supported (write a deletion and a new file)")
         if not line.startswith(GIT_HEADER_PREFIXES):
             raise MemberError(f"{here}: unexpected line in the header of {file_label}: {line[:60]!r}")
-    if in_hunk and (old_left or new_left):
-        raise MemberError(f"{where}: line {len(lines)}: hunk {hunk_no} of {file_label} is shorter than its header says")
-    return [[Hunk(*spec[:5], tuple(spec[5])) for spec in hunks] for hunks in files]
+        file_headers.append(_text(raw))
+    return [[Hunk(*spec[:5], tuple(spec[5])) for spec in hunks] for hunks in files], file_headers
 
 
 def _no_newline(body: list[tuple[str, bytes]]) -> None:
@@ -318,10 +365,10 @@ def _tree_path(raw: str, prefix: str, where: str) -> str | None:
     return path
 
 
-def _file_patches(diff_lines: list[str], hunks: list[list[Hunk]], where: str) -> tuple[FilePatch, ...]:
+def _file_patches(file_headers: list[str], hunks: list[list[Hunk]], where: str) -> tuple[FilePatch, ...]:
     """File-level facts from unidiff (paths, extended headers); hunks from the strict walk."""
     try:
-        patch_set = unidiff.PatchSet(diff_lines, metadata_only=True)
+        patch_set = unidiff.PatchSet(file_headers, metadata_only=True)
     except unidiff.UnidiffParseError as exc:
         raise MemberError(f"{where}: malformed diff: {exc}") from None
     files: list[FilePatch] = []

@@ -51,37 +51,57 @@ def manifest_bytes(data: dict[str, Any]) -> bytes:
 def write_overlay(out: Path, overlay: OverlaySet, manifest_data: dict[str, Any]) -> None:
     """Only the touched files (a deleted file is just absent) plus manifest.json."""
     with _replacing(out) as tmp:
+        writer = _Writer(tmp)
         for change in overlay.changes:
             if change.after is not None:
-                _write_file(tmp / change.path, change.after, change.mode)
-        (tmp / MANIFEST).write_bytes(manifest_bytes(manifest_data))
+                writer.write(change.path, change.after, change.mode)
+        writer.write(MANIFEST, manifest_bytes(manifest_data), None)
 
 
 def write_full_tree(out: Path, tree: Tree, overlay: OverlaySet, manifest_data: dict[str, Any]) -> None:
     changes = overlay.by_path()
     with _replacing(out) as tmp:
+        writer = _Writer(tmp)
         for path, data, mode in tree.walk():
             if path not in changes:
-                _write_file(tmp / path, data, mode)
+                writer.write(path, data, mode)
         for change in overlay.changes:
             if change.after is not None:
-                _write_file(tmp / change.path, change.after, change.mode)
-        (tmp / MANIFEST).write_bytes(manifest_bytes(manifest_data))
+                writer.write(change.path, change.after, change.mode)
+        writer.write(MANIFEST, manifest_bytes(manifest_data), None)
 
 
 def write_files(out: Path, files: dict[str, bytes]) -> None:
     """A directory of exactly these files (e.g. a build context), swapped in whole."""
     with _replacing(out) as tmp:
+        writer = _Writer(tmp)
         for name, data in files.items():
-            _write_file(tmp / name, data, None)
+            writer.write(name, data, None)
 
 
-def _write_file(dest: Path, data: bytes, mode: int | None) -> None:
-    if not dest.parent.is_dir():
-        dest.parent.mkdir(parents=True)
-    dest.write_bytes(data)
-    if mode is not None:
-        dest.chmod(mode)
+class _Writer:
+    """New files under a fresh directory, with plain os calls: hundreds of files are written
+    per apply, and pathlib's per-call overhead was a third of the time."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = str(root)
+        self.made: set[str] = {self.root}
+
+    def write(self, path: str, data: bytes, mode: int | None) -> None:
+        dest = f"{self.root}/{path}"
+        parent = dest.rpartition("/")[0]
+        if parent not in self.made:
+            os.makedirs(parent, exist_ok=True)
+            self.made.add(parent)
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644 if mode is None else mode)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        if mode is not None:
+            os.chmod(dest, mode)  # exactly this mode, whatever the umask
 
 
 class _replacing:

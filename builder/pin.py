@@ -12,15 +12,11 @@ The memo lets a warm run trust a wheel it has hashed before without reading
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import os
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import zipfile
 from pathlib import Path
 from typing import Callable, TextIO
@@ -139,6 +135,10 @@ def _expect(pin: WheelPin, actual: str, where: str) -> None:
 
 def resolve_from_index(pin: WheelPin) -> str:
     """Find the wheel's URL in a PEP 691 (JSON) simple index."""
+    import urllib.error  # network modules only when the network is used: they cost 15 ms to import
+    import urllib.parse
+    import urllib.request
+
     base = pin.index.rstrip("/")
     page = f"{base}/{pin.project}/"
     req = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
@@ -155,6 +155,10 @@ def resolve_from_index(pin: WheelPin) -> str:
 
 def _download(url: str, dest: Path, pin: WheelPin, label: str, progress: TextIO | None) -> None:
     """Stream ``url`` to a temp file beside ``dest``, hashing as it goes; rename only when verified."""
+    import http.client
+    import urllib.error
+    import urllib.request
+
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
     tmp = Path(tmp_name)

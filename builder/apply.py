@@ -85,9 +85,12 @@ class FileChange:
     after: bytes | None
     mode: int | None
     members: tuple[str, ...]
+    recorded_before_sha256: str | None = None  # what the tree records for it (a wheel's RECORD)
 
     @cached_property
     def before_sha256(self) -> str | None:
+        if self.before is not None and self.recorded_before_sha256 is not None:
+            return self.recorded_before_sha256
         return sha256(self.before)
 
     @cached_property
@@ -144,7 +147,9 @@ class Workspace:
         out = []
         for path, names in self.touched_by.items():
             state = self.files[path]
-            out.append(FileChange(path, self.base[path], state.data, state.mode, tuple(names)))
+            base = self.base[path]
+            recorded = None if base is None else self.tree.recorded_sha256(path)
+            out.append(FileChange(path, base, state.data, state.mode, tuple(names), recorded))
         return tuple(out)
 
 
@@ -182,9 +187,10 @@ def _apply_file(fp: FilePatch, state: FileState, member: str, result: MemberResu
         owned, earlier = _reown(owned, line, hunk, member)
         if earlier:
             result.overlaps.append(Overlap(path, hunk, earlier))
-        data = b"".join((data[:start], hunk.new_block, data[start + len(hunk.old_block) :]))
+        view = memoryview(data)  # slices of a view are not copies: join copies the file once
+        data = b"".join((view[:start], hunk.new_block, view[start + len(hunk.old_block) :]))
         if hunk.new_block.endswith(b"\n"):
-            known = (line + len(hunk.new_lines), start + len(hunk.new_block))
+            known = (line + hunk.new_len, start + len(hunk.new_block))
     if fp.new_path is None:
         if data:
             raise HunkFailure(path, None, f"a deletion, but {len(split_lines(data))} lines would remain")
@@ -239,8 +245,8 @@ def _reown(owned: tuple[Owned, ...], line: int, hunk: Hunk, member: str) -> tupl
     and the earlier members whose lines it read (context it kept or lines it removed)."""
     if not owned:  # the usual case: no member wrote this file before
         return tuple((line + first, line + end, member) for first, end in hunk.added_runs), ()
-    end = line + len(hunk.old_lines)
-    shift = len(hunk.new_lines) - len(hunk.old_lines)
+    end = line + hunk.old_len
+    shift = hunk.new_len - hunk.old_len
     before: list[Owned] = []
     after: list[Owned] = []
     inside: list[Owned] = []  # the parts of runs within the replaced lines
@@ -251,6 +257,9 @@ def _reown(owned: tuple[Owned, ...], line: int, hunk: Hunk, member: str) -> tupl
             after.append((max(first, end) + shift, stop + shift, who))
         if first < end and stop > line:
             inside.append((max(first, line), min(stop, end), who))
+
+    if not inside:  # it reads no member's lines: only its own added lines are new runs
+        return (*before, *((line + first, line + stop, member) for first, stop in hunk.added_runs), *after), ()
 
     def owner(at: int) -> str | None:
         return next((who for first, stop, who in inside if first <= at < stop), None)

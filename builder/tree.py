@@ -8,6 +8,8 @@ paths (for ``--full-tree``).
 
 from __future__ import annotations
 
+import base64
+import csv
 import marshal
 import os
 import posixpath
@@ -39,6 +41,9 @@ class Tree(Protocol):
     def walk(self) -> Iterator[tuple[str, bytes, int]]:
         """Every regular file: (path, bytes, mode)."""
 
+    def recorded_sha256(self, path: str) -> str | None:
+        """The sha256 the tree itself records for ``path`` (a wheel's RECORD), or None."""
+
 
 def pinned_tree(pin: WheelPin, progress: TextIO | None = None) -> Tree:
     """The base tree a pin names: the verified wheel (fetched once) or a local directory."""
@@ -56,6 +61,7 @@ class _Entry(NamedTuple):
     crc: int
     external_attr: int
     is_dir: bool
+    record_sha256: bytes | None  # the digest the wheel's RECORD gives
 
     @property
     def is_symlink(self) -> bool:
@@ -97,11 +103,13 @@ class WheelTree:
                 pass  # absent or unreadable: parse the zip and write it anew
         try:
             with zipfile.ZipFile(path) as zf:
+                recorded = _record_digests(zf)
                 rows = {
-                    i.filename: (i.header_offset, i.compress_type, i.compress_size, i.file_size, i.CRC, i.external_attr, i.is_dir())
+                    i.filename: (i.header_offset, i.compress_type, i.compress_size, i.file_size, i.CRC, i.external_attr, i.is_dir(),
+                                 recorded.get(i.filename))
                     for i in zf.infolist()
                 }
-        except (zipfile.BadZipFile, OSError) as exc:
+        except (zipfile.BadZipFile, OSError, zlib.error) as exc:
             raise InputError(f"{path}: not a valid wheel (zip): {exc}") from None
         if index_file is not None:
             try:
@@ -132,6 +140,10 @@ class WheelTree:
             raise InputError(f"{self.label}: entry {path} is corrupt: {exc}") from None
         return data
 
+    def recorded_sha256(self, path: str) -> str | None:
+        entry = self._entry(path)
+        return None if entry is None or entry.record_sha256 is None else entry.record_sha256.hex()
+
     def check_writable(self, path: str) -> str | None:
         if self._symlinks is None:  # wheels seldom hold any: then no path can escape
             self._symlinks = any(stat.S_ISLNK(row[5] >> 16) for row in self._rows.values())
@@ -153,6 +165,26 @@ class WheelTree:
             if info.is_dir or info.is_symlink:
                 continue
             yield name, self.read(name) or b"", (info.external_attr >> 16) & 0o777 or 0o644
+
+
+def _record_digests(zf: zipfile.ZipFile) -> dict[str, bytes]:
+    """path -> sha256 from the wheel's ``*.dist-info/RECORD``.  The wheel is verified against
+    its pinned sha256, so these are the pinned bytes' own hashes: a manifest's before hashes
+    come from here instead of hashing every touched file (pip checks them when it installs)."""
+    names = [n for n in zf.namelist() if n.count("/") == 1 and n.endswith(".dist-info/RECORD")]
+    if len(names) != 1:
+        return {}
+    digests = {}
+    for row in csv.reader(zf.read(names[0]).decode("utf-8").splitlines()):
+        if len(row) >= 2 and row[1].startswith("sha256="):
+            encoded = row[1][len("sha256=") :]
+            try:
+                digest = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+            except ValueError:
+                continue
+            if len(digest) == 32:
+                digests[row[0]] = digest
+    return digests
 
 
 class DirTree:
@@ -191,3 +223,6 @@ class DirTree:
                     continue
                 rel = full.relative_to(self.root).as_posix()
                 yield rel, full.read_bytes(), full.stat().st_mode & 0o777
+
+    def recorded_sha256(self, path: str) -> str | None:
+        return None  # a checkout records no hashes: they are computed

@@ -16,13 +16,13 @@ from builder.errors import InputError, OverlayError
 DEFAULT_RECIPE = "recipes/v41-sm120.yaml"
 
 
-def _load(recipe_path: str):  # noqa: ANN202
+def _load(args: argparse.Namespace):  # noqa: ANN202
     from builder.members import load_recipe_members
     from builder.recipe import load_recipe
     from builder.tree import pinned_tree
 
-    recipe = load_recipe(recipe_path)
-    members = load_recipe_members(recipe)
+    recipe = load_recipe(args.recipe)
+    members = load_recipe_members(recipe, args.memo)
     return recipe, members, pinned_tree(recipe.vllm)
 
 
@@ -32,7 +32,7 @@ def cmd_key(args: argparse.Namespace) -> int:
     from builder.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
-    key = runtime_key(recipe, load_recipe_members(recipe))
+    key = runtime_key(recipe, load_recipe_members(recipe, args.memo))
     print(short_key(key) if args.short else key)
     return 0
 
@@ -42,7 +42,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     from builder.key import runtime_key
     from builder.output import manifest, write_full_tree, write_overlay
 
-    recipe, members, tree = _load(args.recipe)
+    recipe, members, tree = _load(args)
     overlay = apply_members(tree, members)
     key = runtime_key(recipe, members)
     data = manifest(recipe, overlay, key)
@@ -63,7 +63,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from builder.check import check_overlay, render_table
 
-    _, members, tree = _load(args.recipe)
+    _, members, tree = _load(args)
     report = check_overlay(tree, members)
     print(json.dumps(report.to_json(), indent=2) if args.json else render_table(report))
     return 0 if report.ok else 1
@@ -75,20 +75,20 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
     if not args.serve_argv:
         raise InputError("probe: give the rank's vllm serve argv after '--' (e.g. -- /models/v41 -tp 4)")
-    recipe, members, tree = _load(args.recipe)
+    recipe, members, tree = _load(args)
     python = Path(args.python) if args.python else ensure_probe_venv(recipe.vllm.version, progress=_progress)
     arms = probe(tree, members, python, args.serve_argv, args.static)
     print(render_arms(arms))
     return 0
 
 
-def _image_inputs(recipe_path: str):  # noqa: ANN202
+def _image_inputs(args: argparse.Namespace):  # noqa: ANN202
     from builder.apply import apply_members
     from builder.key import runtime_key
     from builder.output import manifest
     from builder.render import context_files, render_image
 
-    recipe, members, tree = _load(recipe_path)
+    recipe, members, tree = _load(args)
     overlay = apply_members(tree, members)
     key = runtime_key(recipe, members)
     rendered = render_image(recipe, key)
@@ -98,7 +98,7 @@ def _image_inputs(recipe_path: str):  # noqa: ANN202
 def cmd_dockerfile(args: argparse.Namespace) -> int:
     from builder.output import write_files
 
-    _, rendered, files = _image_inputs(args.recipe)
+    _, rendered, files = _image_inputs(args)
     write_files(Path(args.out), files)
     print(f"wrote the build context ({len(files)} files) to {args.out}", file=sys.stderr)
     print(rendered.image_key)
@@ -109,7 +109,7 @@ def cmd_image(args: argparse.Namespace) -> int:
     from builder import image as img
     from builder.produced import find_row
 
-    recipe, rendered, files = _image_inputs(args.recipe)
+    recipe, rendered, files = _image_inputs(args)
     tags = img.tags_for(recipe, rendered)
     client = img.docker_client()
     built = img.local_image(client, rendered.image_key)
@@ -141,7 +141,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from builder.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
-    result = plan(recipe, load_recipe_members(recipe))
+    result = plan(recipe, load_recipe_members(recipe, args.memo))
     print("\n".join(result.lines()))
     write_github_output(result)
     return 0
@@ -188,8 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         argv, serve_argv = argv[:at], argv[at + 1 :]
     args = build_parser().parse_args(argv)
     args.serve_argv = serve_argv
+    from builder.members import ParseMemo
+
+    args.memo = ParseMemo.in_cache()
     try:
-        return args.func(args)
+        code = args.func(args)
+        if code == 0:
+            args.memo.save()  # only a run that succeeded leaves anything in the cache
+        return code
     except OverlayError as exc:
         print(f"vllm-overlay: {exc}", file=sys.stderr)
         return exc.exit_code

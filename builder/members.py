@@ -10,15 +10,17 @@ unidiff reads the file-level facts: paths, extended headers, binary patches.
 from __future__ import annotations
 
 import hashlib
+import marshal
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import AnyStr
+from typing import AnyStr, NamedTuple
 
 import unidiff
 
 from builder.errors import InputError
+from builder.pin import atomic_write, cache_root
 from builder.recipe import MEMBER_NAME_RE, Recipe
 
 # DEP-3 fields plus the Yocto Upstream-Status and our Standalone flag.
@@ -34,74 +36,61 @@ UNSUPPORTED_HEADERS = {"rename from ": "a rename", "copy from ": "a copy", "old 
 NO_NEWLINE = "\\"
 
 
-@dataclass(frozen=True)
-class Hunk:
+class Hunk(NamedTuple):
+    """One hunk: its header's numbers, its lines, and what apply asks of it, worked out once
+    when the member is parsed (and kept in the parse memo with it).  Make one with hunk()."""
+
     number: int  # 1-based within its file
     old_start: int
-    old_len: int
+    old_len: int  # the walk checks that the lines hold exactly this many old and new lines
     new_start: int
     new_len: int
     lines: tuple[tuple[str, bytes], ...]  # (" " | "-" | "+", exact bytes of the line)
+    old_block: bytes  # the old lines as the file has them
+    new_block: bytes
+    added_runs: tuple[tuple[int, int], ...]  # runs of added lines, [first, end) from the first new line
+    trailing_context: int
+    old_fits_a_file: bool  # False when an old line without a newline comes before others
 
     @property
     def header(self) -> str:
         return f"@@ -{self.old_start},{self.old_len} +{self.new_start},{self.new_len} @@"
 
-    @cached_property
+    @property
     def old_lines(self) -> list[bytes]:
         return [text for kind, text in self.lines if kind != "+"]
 
-    @cached_property
+    @property
     def new_lines(self) -> list[bytes]:
         return [text for kind, text in self.lines if kind != "-"]
 
-    @cached_property
-    def old_block(self) -> bytes:
-        """The lines the hunk replaces, as the bytes they are in the file."""
-        return b"".join(self.old_lines)
+    def reversed(self) -> Hunk:
+        swap = {" ": " ", "-": "+", "+": "-"}
+        return hunk(self.number, self.new_start, self.new_len, self.old_start, self.old_len, tuple((swap[k], t) for k, t in self.lines))
 
-    @cached_property
-    def new_block(self) -> bytes:
-        return b"".join(self.new_lines)
 
-    @cached_property
-    def old_fits_a_file(self) -> bool:
-        """False when an old line without a newline comes before others: no file holds that."""
-        return all(line.endswith(b"\n") for line in self.old_lines[:-1])
-
-    @cached_property
-    def added_runs(self) -> tuple[tuple[int, int], ...]:
-        """Runs of added lines, as [first, end) line numbers counted from the hunk's first new line."""
-        runs: list[tuple[int, int]] = []
-        at = 0
-        for kind, _ in self.lines:
-            if kind == "-":
-                continue
+def hunk(number: int, old_start: int, old_len: int, new_start: int, new_len: int, lines: tuple[tuple[str, bytes], ...]) -> Hunk:
+    old: list[bytes] = []
+    new: list[bytes] = []
+    runs: list[tuple[int, int]] = []
+    trailing = 0
+    for kind, text in lines:
+        trailing = trailing + 1 if kind == " " else 0
+        if kind != "+":
+            old.append(text)
+        if kind != "-":
             if kind == "+":
+                at = len(new)
                 if runs and runs[-1][1] == at:
                     runs[-1] = (runs[-1][0], at + 1)
                 else:
                     runs.append((at, at + 1))
-            at += 1
-        return tuple(runs)
-
-    @property
-    def trailing_context(self) -> int:
-        n = 0
-        for kind, _ in reversed(self.lines):
-            if kind != " ":
-                break
-            n += 1
-        return n
-
-    def reversed(self) -> Hunk:
-        swap = {" ": " ", "-": "+", "+": "-"}
-        return Hunk(self.number, self.new_start, self.new_len, self.old_start, self.old_len,
-                    tuple((swap[k], t) for k, t in self.lines))
+            new.append(text)
+    fits = all(line.endswith(b"\n") for line in old[:-1])
+    return Hunk(number, old_start, old_len, new_start, new_len, lines, b"".join(old), b"".join(new), tuple(runs), trailing, fits)
 
 
-@dataclass(frozen=True)
-class FilePatch:
+class FilePatch(NamedTuple):
     old_path: str | None  # None: a new file
     new_path: str | None  # None: a deletion
     new_mode: str | None
@@ -163,7 +152,7 @@ def split_lines(text: AnyStr) -> list[AnyStr]:
     return lines
 
 
-def load_member(path: Path, name: str | None = None) -> Member:
+def load_member(path: Path, name: str | None = None, memo: ParseMemo | None = None) -> Member:
     """Parse ``path``; ``name`` (from the recipe) must match ``[a-z0-9_]+`` and the file name."""
     stem = path.name[: -len(".patch")] if path.name.endswith(".patch") else path.name
     name = name if name is not None else stem
@@ -178,6 +167,22 @@ def load_member(path: Path, name: str | None = None) -> Member:
         raise MemberError(f"{where}: no such member file") from None
     except OSError as exc:
         raise MemberError(f"{where}: cannot read: {exc}") from None
+    if memo is not None:
+        return memo.member(name, path, data)
+    return parse_member(name, path, data)
+
+
+def parse_member(name: str, path: Path, data: bytes) -> Member:
+    return _unpack(name, path, _parse(name, path, data))
+
+
+# A parsed member as plain data (what the parse memo keeps): (fields, files, normalized diff),
+# a file being (old path, new path, new mode, hunks) and a hunk the fields of a Hunk.
+Packed = tuple[dict, tuple, bytes]
+
+
+def _parse(name: str, path: Path, data: bytes) -> Packed:
+    where = f"{path}: member {name}"
     # Lines stay bytes: hunk lines are kept exactly; only the few structural lines are decoded.
     lines = split_lines(data)
     start = next((i for i, line in enumerate(lines) if line.startswith(b"diff --git ")), None)
@@ -186,7 +191,90 @@ def load_member(path: Path, name: str | None = None) -> Member:
     fields = _parse_header([_text(line) for line in lines[:start]], where)
     hunks, file_headers = _walk(lines, start, where)
     files = _file_patches(file_headers, hunks, where)
-    return Member(name, path, fields, files, _normalize(files))
+    return fields, files, _normalize(files)
+
+
+def _unpack(name: str, path: Path, packed: Packed) -> Member:
+    fields, files, normalized = packed
+    make = Hunk._make
+    return Member(name, path, fields, tuple(FilePatch(old, new, mode, tuple(map(make, hunks))) for old, new, mode, hunks in files), normalized)
+
+
+class ParseMemo:
+    """Members parsed before, by the sha256 of this parser and the member's bytes.
+
+    Kept in the cache so that an unchanged member is not parsed again, as
+    Python keeps .pyc files: parsing is most of the time of applying many
+    small members.  Only what parsed cleanly is remembered, and only
+    ``save()`` writes, which the command calls once it has succeeded, so a
+    run that fails leaves the cache as it was.
+    """
+
+    LIMIT = 4096  # entries kept: this run's, then the most recent others
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.seen: dict[bytes, tuple] | None = None  # read on first use
+        self.used: dict[bytes, tuple] = {}
+        self.added = False
+
+    @classmethod
+    def in_cache(cls) -> ParseMemo:
+        return cls(cache_root() / "members.marshal")
+
+    def member(self, name: str, path: Path, data: bytes) -> Member:
+        digest = hashlib.sha256(_parser_id() + data).digest()
+        packed = self._entries().get(digest)
+        if packed is not None:
+            try:
+                member = _unpack(name, path, packed)
+                self.used[digest] = packed
+                return member
+            except (TypeError, ValueError):
+                pass  # not what this parser writes: parse again
+        packed = _parse(name, path, data)
+        self.used[digest] = packed
+        self.added = True
+        return _unpack(name, path, packed)
+
+    def _entries(self) -> dict[bytes, tuple]:
+        if self.seen is None:
+            self.seen = {}
+            try:
+                loaded = marshal.loads(self.path.read_bytes()) if self.path else {}
+                if isinstance(loaded, dict):
+                    self.seen = loaded
+            except (OSError, ValueError, EOFError, TypeError):
+                pass  # absent or unreadable: start afresh
+        return self.seen
+
+    def save(self) -> None:
+        if not self.added or self.path is None:
+            return
+        kept = dict(self.used)
+        for digest, packed in self._entries().items():  # saved newest first
+            if len(kept) >= self.LIMIT:
+                break
+            kept.setdefault(digest, packed)
+        try:
+            atomic_write(self.path, marshal.dumps(kept))
+        except OSError:
+            pass  # a read-only cache only costs parsing again next time
+        self.added = False
+
+
+_PARSER_ID: list[bytes] = []
+
+
+def _parser_id() -> bytes:
+    """This module's source and unidiff's version: a changed parser never reads old entries."""
+    if not _PARSER_ID:
+        try:
+            source = Path(__file__).read_bytes()
+        except OSError:
+            source = b"unknown"
+        _PARSER_ID.append(hashlib.sha256(source + unidiff.VERSION.encode()).digest())
+    return _PARSER_ID[0]
 
 
 def _text(line: bytes) -> str:
@@ -242,10 +330,10 @@ def _check_fields(fields: dict[str, list[str]], where: str) -> None:
             raise MemberError(f"{where}: header: field {name!r} is empty")
 
 
-def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[Hunk]], list[str]]:
+def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[tuple]], list[str]]:
     """Walk the diff as git apply would, refuse every line it would not account for, and
-    collect each file's hunks with the exact bytes of their lines.  Also returns the
-    file-level lines (everything outside the hunks), which is what unidiff reads."""
+    collect each file's hunks, as the fields of a Hunk, with the exact bytes of their lines.
+    Also returns the file-level lines (everything outside the hunks): what unidiff reads."""
     in_hunk = False  # after a hunk's body, until the next hunk or file
     file_label = "?"
     hunk_no = 0
@@ -262,22 +350,21 @@ def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[Hunk]],
         line = _text(raw).rstrip("\n")
         if line.endswith("\r"):
             line = line[:-1]
-        here = f"{where}: line {index}"
         if line.startswith("diff --git "):
             in_hunk = False
             hunk_no = 0
-            file_label = _git_line_path(line, here)
+            file_label = _git_line_path(line, f"{where}: line {index}")
             files.append([])
             file_headers.append(_text(raw))
             continue
         if line.startswith("@@"):
             match = HUNK_HEADER_RE.fullmatch(line)
             if not match:
-                raise MemberError(f"{here}: malformed hunk header {line[:80]!r}")
+                raise MemberError(f"{where}: line {index}: malformed hunk header {line[:80]!r}")
             # a count left out of the header is 1, as in "@@ -0,0 +1 @@"
             old_start, old_left, new_start, new_left = (int(g) if g else 1 for g in match.groups())
             if old_left == new_left == 0:
-                raise MemberError(f"{here}: hunk header {line!r} has no lines")
+                raise MemberError(f"{where}: line {index}: hunk header {line!r} has no lines")
             in_hunk = True
             hunk_no += 1
             body = []
@@ -312,23 +399,23 @@ def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[Hunk]],
                     raise MemberError(f"{where}: line {index}: hunk {hunk_no} of {file_label} has more lines than its header says")
             continue
         if in_hunk:
-            raise MemberError(f"{here}: hunk {hunk_no} of {file_label} has more lines than its header says")
+            raise MemberError(f"{where}: line {index}: hunk {hunk_no} of {file_label} has more lines than its header says")
         if line.startswith(("--- ", "+++ ")):
             side = "a/" if line[0] == "-" else "b/"
             named = line[4:].split("\t")[0]
             if named not in (side + file_label, "/dev/null"):
-                raise MemberError(f"{here}: {line[:4]}{named!r} does not match the 'diff --git' line (expected {side}{file_label} or /dev/null)")
+                raise MemberError(f"{where}: line {index}: {line[:4]}{named!r} does not match the 'diff --git' line (expected {side}{file_label} or /dev/null)")
             file_headers.append(_text(raw))
             continue
         if line.startswith("GIT binary patch") or line.startswith("Binary files "):
-            raise MemberError(f"{here}: {file_label}: binary diffs are not supported")
+            raise MemberError(f"{where}: line {index}: {file_label}: binary diffs are not supported")
         for prefix, what in UNSUPPORTED_HEADERS.items():
             if line.startswith(prefix):
-                raise MemberError(f"{here}: {file_label}: {what} is not supported (write a deletion and a new file)")
+                raise MemberError(f"{where}: line {index}: {file_label}: {what} is not supported (write a deletion and a new file)")
         if not line.startswith(GIT_HEADER_PREFIXES):
-            raise MemberError(f"{here}: unexpected line in the header of {file_label}: {line[:60]!r}")
+            raise MemberError(f"{where}: line {index}: unexpected line in the header of {file_label}: {line[:60]!r}")
         file_headers.append(_text(raw))
-    return [[Hunk(*spec[:5], tuple(spec[5])) for spec in hunks] for hunks in files], file_headers
+    return [[tuple(hunk(*spec[:5], tuple(spec[5]))) for spec in hunks] for hunks in files], file_headers
 
 
 def _no_newline(body: list[tuple[str, bytes]]) -> None:
@@ -365,13 +452,13 @@ def _tree_path(raw: str, prefix: str, where: str) -> str | None:
     return path
 
 
-def _file_patches(file_headers: list[str], hunks: list[list[Hunk]], where: str) -> tuple[FilePatch, ...]:
+def _file_patches(file_headers: list[str], hunks: list[list[tuple]], where: str) -> tuple[tuple, ...]:
     """File-level facts from unidiff (paths, extended headers); hunks from the strict walk."""
     try:
         patch_set = unidiff.PatchSet(file_headers, metadata_only=True)
     except unidiff.UnidiffParseError as exc:
         raise MemberError(f"{where}: malformed diff: {exc}") from None
-    files: list[FilePatch] = []
+    files: list[tuple] = []
     seen: set[str] = set()
     if len(patch_set) != len(hunks):
         raise MemberError(f"{where}: unidiff read {len(patch_set)} file patches where the diff has {len(hunks)}")
@@ -395,27 +482,30 @@ def _file_patches(file_headers: list[str], hunks: list[list[Hunk]], where: str) 
         seen.add(path)
         if not file_hunks:
             raise MemberError(f"{where}: {path}: no hunks")
-        files.append(FilePatch(old_path, new_path, new_mode, tuple(file_hunks)))
+        files.append((old_path, new_path, new_mode, tuple(file_hunks)))
     return tuple(files)
 
 
-def _normalize(files: tuple[FilePatch, ...]) -> bytes:
+def _normalize(files: tuple[tuple, ...]) -> bytes:
     """The diff re-rendered canonically: no header prose, timestamps, index lines or section text."""
-    out = bytearray()
-    for fp in files:
-        if fp.new_mode:
-            out += f"new file mode {fp.new_mode}\n".encode()
-        out += f"--- {'a/' + fp.old_path if fp.old_path else '/dev/null'}\n".encode("utf-8", "surrogateescape")
-        out += f"+++ {'b/' + fp.new_path if fp.new_path else '/dev/null'}\n".encode("utf-8", "surrogateescape")
-        for hunk in fp.hunks:
-            out += hunk.header.encode() + b"\n"
-            for kind, text in hunk.lines:
-                out += kind.encode() + text
+    out: list[bytes] = []
+    for old_path, new_path, new_mode, hunks in files:
+        if new_mode:
+            out.append(f"new file mode {new_mode}\n".encode())
+        out.append(f"--- {'a/' + old_path if old_path else '/dev/null'}\n".encode("utf-8", "surrogateescape"))
+        out.append(f"+++ {'b/' + new_path if new_path else '/dev/null'}\n".encode("utf-8", "surrogateescape"))
+        for _, old_start, old_len, new_start, new_len, lines, *_ in hunks:
+            out.append(f"@@ -{old_start},{old_len} +{new_start},{new_len} @@\n".encode())
+            for kind, text in lines:
+                out.append(_KIND_BYTES[kind] + text)
                 if not text.endswith(b"\n"):
-                    out += b"\n\\ No newline at end of file\n"
-    return bytes(out)
+                    out.append(b"\n\\ No newline at end of file\n")
+    return b"".join(out)
 
 
-def load_recipe_members(recipe: Recipe) -> tuple[Member, ...]:
+_KIND_BYTES = {" ": b" ", "-": b"-", "+": b"+"}
+
+
+def load_recipe_members(recipe: Recipe, memo: ParseMemo | None = None) -> tuple[Member, ...]:
     """The recipe's members, in its order, each parsed and validated."""
-    return tuple(load_member(recipe.member_path(name), name) for name in recipe.members)
+    return tuple(load_member(recipe.member_path(name), name, memo) for name in recipe.members)

@@ -18,6 +18,7 @@ import pytest
 
 from builder.apply import FileState, HunkFailure, MemberResult, _apply_file, find_hunk
 from builder.members import FilePatch, Hunk
+from builder.members import hunk as make_hunk
 
 ALPHABET = [b"a\n", b"b\n", b"\n", b"a\r\n", b"    x = 1\n", b"b"]
 
@@ -115,7 +116,7 @@ def random_hunk(rng: random.Random, lines: list[bytes], number: int) -> Hunk:
     # a pure insertion goes at the start (one at the end would run into a last line without newline)
     old_start = rng.choice([1, rng.randrange(2, 20), rng.randrange(2, 20)]) if old_len else rng.choice([0, 1])
     new_start = max(old_start + rng.randrange(-6, 7), 0)
-    return Hunk(number, old_start, old_len, new_start, new_len, tuple(body))
+    return make_hunk(number, old_start, old_len, new_start, new_len, tuple(body))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -151,9 +152,9 @@ def test_byte_level_apply_agrees_with_the_line_model(seed):
 
 
 def test_a_match_must_start_at_a_line_boundary_and_a_last_line_without_newline_ends_the_file():
-    hunk = Hunk(1, 3, 2, 3, 2, ((" ", b"a\n"), (" ", b"b\n")))
-    assert find_hunk(b"xa\nb\nz\nz\n", hunk, 2) is None  # "a\nb\n" occurs, but not at a line start
-    assert find_hunk(b"z\nxa\nb\na\nb\nz\n", hunk, 0) == (3, 7)
-    tail = Hunk(1, 3, 1, 3, 1, ((" ", b"b"),))  # context "b" with no newline: only the file's end
+    block = make_hunk(1, 3, 2, 3, 2, ((" ", b"a\n"), (" ", b"b\n")))
+    assert find_hunk(b"xa\nb\nz\nz\n", block, 2) is None  # "a\nb\n" occurs, but not at a line start
+    assert find_hunk(b"z\nxa\nb\na\nb\nz\n", block, 0) == (3, 7)
+    tail = make_hunk(1, 3, 1, 3, 1, ((" ", b"b"),))  # context "b" with no newline: only the file's end
     assert find_hunk(b"b\nb\nb", tail, 0) == (2, 4)
     assert find_hunk(b"b\nb\nbc", tail, 0) is None

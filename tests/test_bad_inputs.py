@@ -10,13 +10,11 @@ bad input; `check` reports it as a failed check, exit 1).
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 
-from builder.pin import cache_root
 from tests.helpers import run_cli, snapshot
 
 CORPUS = Path(__file__).parent / "bad_inputs"
@@ -25,21 +23,6 @@ CASES = sorted(p.name for p in CORPUS.iterdir() if p.is_dir())
 
 def test_corpus_is_large_enough():
     assert len(CASES) >= 20
-
-
-@pytest.fixture
-def isolated_cache(tmp_path: Path, vllm_wheel: Path) -> Path:
-    """A warm cache: (a link to) the real wheel, its remembered hash and zip index; nothing to fetch or write."""
-    cache = tmp_path / "cache"
-    dest = cache / "wheels" / vllm_wheel.parent.name / vllm_wheel.name
-    dest.parent.mkdir(parents=True)
-    dest.symlink_to(vllm_wheel)
-    memo = json.loads((cache_root() / "verified.json").read_text())
-    (cache / "verified.json").write_text(json.dumps({str(vllm_wheel.resolve()): memo[str(vllm_wheel.resolve())]}))
-    index = cache_root() / "zipindex" / f"{vllm_wheel.parent.name}.marshal"
-    (cache / "zipindex").mkdir()
-    shutil.copy(index, cache / "zipindex" / index.name)  # the central directory, as a warm run has it
-    return cache
 
 
 def _combinations():

@@ -1,0 +1,158 @@
+"""The parse memo: a member parsed once is not parsed again, and a memo never changes a result."""
+
+from __future__ import annotations
+
+import pytest
+
+from builder import members as M
+from builder.members import MemberError, ParseMemo, load_recipe_members
+from builder.recipe import load_recipe
+from tests.helpers import DEFAULT_RECIPE, member_text, run_cli, write_recipe
+
+CRLF_AND_NO_NEWLINE = member_text(
+    "diff --git a/vllm/x.py b/vllm/x.py\n"
+    "new file mode 100644\n"
+    "--- /dev/null\n"
+    "+++ b/vllm/x.py\n"
+    "@@ -0,0 +1,2 @@\n"
+    "+a = 1\r\n"
+    "+b = 2\n"
+    "\\ No newline at end of file\n"
+)
+
+
+def facts(members) -> list:  # noqa: ANN001
+    return [(m.name, m.fields, m.files, m.normalized, m.digest) for m in members]
+
+
+@pytest.fixture
+def parses(monkeypatch):
+    """How many members were parsed rather than taken from the memo."""
+    count = {"n": 0}
+    real = M._parse
+
+    def counting(*args):  # noqa: ANN002, ANN202
+        count["n"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(M, "_parse", counting)
+    return count
+
+
+def recipes(tmp_path):  # noqa: ANN001, ANN201
+    """The default recipe's two real members, and one with CRLF and no final newline."""
+    return [load_recipe(DEFAULT_RECIPE), load_recipe(write_recipe(tmp_path, {"crlf_tail": CRLF_AND_NO_NEWLINE}))]
+
+
+def test_a_remembered_member_is_what_parsing_gives(tmp_path, parses):
+    memo_file = tmp_path / "cache" / "members.marshal"
+    for recipe in recipes(tmp_path):
+        fresh = load_recipe_members(recipe)
+        first = ParseMemo(memo_file)
+        assert facts(load_recipe_members(recipe, first)) == facts(fresh)
+        first.save()
+        parses["n"] = 0
+        again = load_recipe_members(recipe, ParseMemo(memo_file))
+        assert parses["n"] == 0  # all from the memo
+        assert facts(again) == facts(fresh)
+        assert [m.path for m in again] == [m.path for m in fresh]
+
+
+def test_a_run_that_parsed_nothing_new_writes_nothing(tmp_path):
+    memo_file = tmp_path / "members.marshal"
+    recipe = load_recipe(DEFAULT_RECIPE)
+    first = ParseMemo(memo_file)
+    load_recipe_members(recipe, first)
+    first.save()
+    stamp = memo_file.stat().st_mtime_ns
+    second = ParseMemo(memo_file)
+    load_recipe_members(recipe, second)
+    second.save()
+    assert memo_file.stat().st_mtime_ns == stamp
+
+
+def test_a_changed_member_is_parsed_again(tmp_path, parses):
+    memo_file = tmp_path / "members.marshal"
+    recipe_path = write_recipe(tmp_path, {"crlf_tail": CRLF_AND_NO_NEWLINE})
+    memo = ParseMemo(memo_file)
+    load_recipe_members(load_recipe(recipe_path), memo)
+    memo.save()
+    member_file = tmp_path / "overlay" / "crlf_tail.patch"
+    member_file.write_bytes(member_file.read_bytes().replace(b"+b = 2", b"+b = 3"))
+    parses["n"] = 0
+    (changed,) = load_recipe_members(load_recipe(recipe_path), ParseMemo(memo_file))
+    assert parses["n"] == 1
+    assert changed.files[0].hunks[0].lines[1] == ("+", b"b = 3")
+
+
+def test_a_member_made_bad_is_refused_after_a_good_run(tmp_path):
+    memo_file = tmp_path / "members.marshal"
+    recipe_path = write_recipe(tmp_path, {"crlf_tail": CRLF_AND_NO_NEWLINE})
+    memo = ParseMemo(memo_file)
+    load_recipe_members(load_recipe(recipe_path), memo)
+    memo.save()
+    member_file = tmp_path / "overlay" / "crlf_tail.patch"
+    member_file.write_bytes(member_file.read_bytes().replace(b"@@ -0,0 +1,2 @@", b"@@ -0,0 +1,3 @@"))
+    with pytest.raises(MemberError, match="hunk 1 of vllm/x.py is shorter than its header says"):
+        load_recipe_members(load_recipe(recipe_path), ParseMemo(memo_file))
+
+
+def test_an_unreadable_memo_is_ignored_and_replaced(tmp_path, parses):
+    memo_file = tmp_path / "members.marshal"
+    memo_file.write_bytes(b"\x00 not marshal")
+    recipe = load_recipe(DEFAULT_RECIPE)
+    memo = ParseMemo(memo_file)
+    assert facts(load_recipe_members(recipe, memo)) == facts(load_recipe_members(recipe))
+    memo.save()
+    parses["n"] = 0
+    load_recipe_members(recipe, ParseMemo(memo_file))
+    assert parses["n"] == 0
+
+
+def test_a_changed_parser_does_not_read_old_entries(tmp_path, parses, monkeypatch):
+    memo_file = tmp_path / "members.marshal"
+    recipe = load_recipe(DEFAULT_RECIPE)
+    memo = ParseMemo(memo_file)
+    load_recipe_members(recipe, memo)
+    memo.save()
+    monkeypatch.setattr(M, "_PARSER_ID", [b"another parser"])
+    parses["n"] = 0
+    load_recipe_members(recipe, ParseMemo(memo_file))
+    assert parses["n"] == len(recipe.members)
+
+
+def test_the_memo_keeps_this_runs_entries_first(tmp_path, monkeypatch, parses):
+    memo_file = tmp_path / "members.marshal"
+    monkeypatch.setattr(ParseMemo, "LIMIT", 2)
+    default, crlf = recipes(tmp_path)
+    for recipe in (crlf, default):  # 1 entry, then 2 more: the oldest one goes
+        memo = ParseMemo(memo_file)
+        load_recipe_members(recipe, memo)
+        memo.save()
+    parses["n"] = 0
+    load_recipe_members(default, ParseMemo(memo_file))
+    assert parses["n"] == 0
+    load_recipe_members(crlf, ParseMemo(memo_file))
+    assert parses["n"] == 1
+
+
+def test_the_command_saves_the_memo_only_when_it_succeeds(tmp_path, isolated_cache):
+    cache = isolated_cache
+    env = {"VLLM_OVERLAY_CACHE": str(cache)}
+    recipe_path = write_recipe(tmp_path / "good", {"crlf_tail": CRLF_AND_NO_NEWLINE})
+    assert run_cli("key", recipe_path, env=env).returncode == 0
+    assert (cache / "members.marshal").is_file()
+    (cache / "members.marshal").unlink()
+    # parses cleanly, then does not apply (the file it creates is in the tree already): exit 2, no memo
+    exists = member_text(
+        "diff --git a/vllm/__init__.py b/vllm/__init__.py\n"
+        "new file mode 100644\n"
+        "--- /dev/null\n"
+        "+++ b/vllm/__init__.py\n"
+        "@@ -0,0 +1 @@\n"
+        "+x = 1\n"
+    )
+    proc = run_cli("apply", write_recipe(tmp_path / "bad", {"exists": exists}), "--out", tmp_path / "out", env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "a new file, but the tree already has it" in proc.stderr
+    assert not (cache / "members.marshal").exists()

@@ -83,24 +83,25 @@ class WheelTree:
     entries in Python costs more than applying a handful of members.
     """
 
+    INDEX_FORMAT = 2  # (format, holds a symlink, {name: the fields of an _Entry})
+
     def __init__(self, path: Path, index_file: Path | None = None) -> None:
         self.label = str(path)
-        self._rows = self._load_index(path, index_file)  # name -> the fields of an _Entry
+        self._symlinks, self._rows = self._load_index(path, index_file)
         self._fd = os.open(path, os.O_RDONLY)
-        self._symlinks: bool | None = None  # does the wheel hold any symlink?
 
     def _entry(self, name: str) -> _Entry | None:
         row = self._rows.get(name)
         return None if row is None else _Entry(*row)
 
-    def _load_index(self, path: Path, index_file: Path | None) -> dict[str, tuple]:
+    def _load_index(self, path: Path, index_file: Path | None) -> tuple[bool, dict[str, tuple]]:
         if index_file is not None:
             try:
-                rows = marshal.loads(index_file.read_bytes())
-                if isinstance(rows, dict) and all(len(row) == len(_Entry._fields) for row in rows.values()):
-                    return rows
+                fmt, symlinks, rows = marshal.loads(index_file.read_bytes())
+                if fmt == self.INDEX_FORMAT:
+                    return symlinks, rows
             except (OSError, ValueError, EOFError, TypeError):
-                pass  # absent or unreadable: parse the zip and write it anew
+                pass  # absent, unreadable or an older format: parse the zip and write it anew
         try:
             with zipfile.ZipFile(path) as zf:
                 recorded = _record_digests(zf)
@@ -111,12 +112,13 @@ class WheelTree:
                 }
         except (zipfile.BadZipFile, OSError, zlib.error) as exc:
             raise InputError(f"{path}: not a valid wheel (zip): {exc}") from None
+        symlinks = any(stat.S_ISLNK(row[5] >> 16) for row in rows.values())
         if index_file is not None:
             try:
-                atomic_write(index_file, marshal.dumps(rows))
+                atomic_write(index_file, marshal.dumps((self.INDEX_FORMAT, symlinks, rows)))
             except OSError:
                 pass  # a read-only cache only costs parsing again next time
-        return rows
+        return symlinks, rows
 
     def read(self, path: str) -> bytes | None:
         entry = self._entry(path)
@@ -145,9 +147,7 @@ class WheelTree:
         return None if entry is None or entry.record_sha256 is None else entry.record_sha256.hex()
 
     def check_writable(self, path: str) -> str | None:
-        if self._symlinks is None:  # wheels seldom hold any: then no path can escape
-            self._symlinks = any(stat.S_ISLNK(row[5] >> 16) for row in self._rows.values())
-        if not self._symlinks:
+        if not self._symlinks:  # wheels seldom hold any: then no path can escape
             return None
         parts = path.split("/")
         for depth in range(1, len(parts) + 1):

@@ -22,7 +22,7 @@ CRLF_AND_NO_NEWLINE = member_text(
 
 
 def facts(members) -> list:  # noqa: ANN001
-    return [(m.name, m.fields, m.files, m.normalized, m.digest) for m in members]
+    return [(m.name, m.fields, m.files, m.digest) for m in members]
 
 
 @pytest.fixture

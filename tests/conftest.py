@@ -1,8 +1,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
-import shutil
 import sys
 import zipfile
 from pathlib import Path
@@ -12,12 +10,12 @@ import pytest
 
 from builder.apply import apply_members
 from builder.members import load_recipe_members
-from builder.pin import cache_root, pinned_wheel
+from builder.pin import pinned_wheel
 from builder.probe import SELFTEST_MEMBER
 from builder.probe_env import ensure_probe_venv
 from builder.recipe import load_recipe
 from builder.tree import pinned_tree
-from tests.helpers import DEFAULT_RECIPE
+from tests.helpers import DEFAULT_RECIPE, warm_cache_copy
 
 SELFTEST_FILE = "vllm/models/deepseek_v41/nvidia/sm120_decode_shape_selftest.py"
 
@@ -32,17 +30,8 @@ def vllm_wheel() -> Path:
 
 @pytest.fixture
 def isolated_cache(tmp_path: Path, vllm_wheel: Path) -> Path:
-    """A warm cache: (a link to) the real wheel, its remembered hash and zip index; nothing to fetch or write."""
-    cache = tmp_path / "cache"
-    dest = cache / "wheels" / vllm_wheel.parent.name / vllm_wheel.name
-    dest.parent.mkdir(parents=True)
-    dest.symlink_to(vllm_wheel)
-    memo = json.loads((cache_root() / "verified.json").read_text())
-    (cache / "verified.json").write_text(json.dumps({str(vllm_wheel.resolve()): memo[str(vllm_wheel.resolve())]}))
-    index = cache_root() / "zipindex" / f"{vllm_wheel.parent.name}.marshal"
-    (cache / "zipindex").mkdir()
-    shutil.copy(index, cache / "zipindex" / index.name)  # the central directory, as a warm run has it
-    return cache
+    """A warm cache of its own: nothing to fetch, and any write shows."""
+    return warm_cache_copy(vllm_wheel, tmp_path / "cache")
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -105,3 +107,19 @@ def snapshot(directory: Path) -> dict[str, bytes]:
         str(p.relative_to(directory)): (p.read_bytes() if p.is_file() and not p.is_symlink() else b"<link or dir>")
         for p in sorted(directory.rglob("*"))
     }
+
+
+def warm_cache_copy(wheel: Path, cache: Path) -> Path:
+    """A cache as a warm run has it, for one wheel: (a link to) the verified wheel, its
+    remembered hash and its zip index, taken from the user cache; no parse memo."""
+    from builder.pin import cache_root
+
+    dest = cache / "wheels" / wheel.parent.name / wheel.name
+    dest.parent.mkdir(parents=True)
+    dest.symlink_to(wheel)
+    memo = json.loads((cache_root() / "verified.json").read_text())
+    (cache / "verified.json").write_text(json.dumps({str(wheel.resolve()): memo[str(wheel.resolve())]}))
+    index = cache_root() / "zipindex" / f"{wheel.parent.name}.marshal"
+    (cache / "zipindex").mkdir()
+    shutil.copy(index, cache / "zipindex" / index.name)
+    return cache

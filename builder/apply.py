@@ -221,6 +221,12 @@ def find_hunk(data: bytes, hunk: Hunk, anchor: int, known: tuple[int, int] = (0,
             return None
         line, counted = known if known[1] <= start else (0, 0)
         return line + data.count(b"\n", counted, start) + (not old and not data.endswith(b"\n") and bool(data)), start
+    if known[1]:  # the usual case first: right at its line, after the hunk before it
+        pos = data.find(old, known[1])
+        while pos >= 0 and data[pos - 1] != 10:
+            pos = data.find(old, pos + 1)
+        if pos >= 0 and known[0] + data.count(b"\n", known[1], pos) == anchor:
+            return anchor, pos  # distance 0: nothing can be nearer
     # every match is line-aligned and ends with a newline: walk them in order, counting lines
     line = counted = 0
     behind: tuple[int, int] | None = None  # the last match before the anchor

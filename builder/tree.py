@@ -75,6 +75,9 @@ def _escapes(link_dir: str, target: str) -> bool:
     return posixpath.normpath(posixpath.join(link_dir, target)).split("/")[0] == ".."
 
 
+_EXTRA_SLACK = 64  # bytes of local extra field read along with an entry's header
+
+
 class WheelTree:
     """A wheel read in place: an entry is inflated only when asked for.
 
@@ -125,15 +128,22 @@ class WheelTree:
         if entry is None or entry.is_dir:
             return None
         try:
-            header = os.pread(self._fd, 30, entry.offset)
-            if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            # One read for the local header and the data: the header's name is this path and
+            # its extra field is seldom long; when it is, the data is read again.
+            guess = 30 + len(path.encode()) + _EXTRA_SLACK
+            block = os.pread(self._fd, guess + entry.compressed_size, entry.offset)
+            if len(block) < 30 or block[:4] != b"PK\x03\x04":
                 raise ValueError("bad local header")
-            name_len, extra_len = struct.unpack("<HH", header[26:30])
-            raw = os.pread(self._fd, entry.compressed_size, entry.offset + 30 + name_len + extra_len)
+            name_len, extra_len = struct.unpack("<HH", block[26:30])
+            start = 30 + name_len + extra_len
+            if start + entry.compressed_size <= len(block):
+                raw = memoryview(block)[start : start + entry.compressed_size]
+            else:
+                raw = os.pread(self._fd, entry.compressed_size, entry.offset + start)
             if entry.method == zipfile.ZIP_DEFLATED:
                 data = isal_zlib.decompress(raw, -15, entry.size or 1)
             elif entry.method == zipfile.ZIP_STORED:
-                data = raw
+                data = bytes(raw)
             else:
                 raise ValueError(f"compression method {entry.method} is not supported")
             if len(data) != entry.size or isal_zlib.crc32(data) != entry.crc:

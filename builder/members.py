@@ -149,19 +149,19 @@ def split_lines(text: AnyStr) -> list[AnyStr]:
 
 def load_member(path: Path, name: str | None = None, memo: ParseMemo | None = None) -> Member:
     """Parse ``path``; ``name`` (from the recipe) must match ``[a-z0-9_]+`` and the file name."""
-    stem = path.name[: -len(".patch")] if path.name.endswith(".patch") else path.name
+    file_name = path.name
+    stem = file_name[: -len(".patch")] if file_name.endswith(".patch") else file_name
     name = name if name is not None else stem
-    where = f"{path}: member {name}"
     if not MEMBER_NAME_RE.fullmatch(name):
         raise MemberError(f"{path}: member name {name!r} does not match [a-z0-9_]+")
-    if stem != name or not path.name.endswith(".patch"):
-        raise MemberError(f"{where}: file name must be {name}.patch")
+    if stem != name or not file_name.endswith(".patch"):
+        raise MemberError(f"{path}: member {name}: file name must be {name}.patch")
     try:
         data = _read(path)
     except FileNotFoundError:
-        raise MemberError(f"{where}: no such member file") from None
+        raise MemberError(f"{path}: member {name}: no such member file") from None
     except OSError as exc:
-        raise MemberError(f"{where}: cannot read: {exc}") from None
+        raise MemberError(f"{path}: member {name}: cannot read: {exc}") from None
     if memo is not None:
         return memo.member(name, path, data)
     return parse_member(name, path, data)

@@ -39,6 +39,22 @@ def parses(monkeypatch):
     return count
 
 
+def load_and_save(recipe, memo_file):  # noqa: ANN001, ANN201
+    """One run that parsed cleanly: its members, and the memo it leaves."""
+    memo = ParseMemo(memo_file)
+    members = load_recipe_members(recipe, memo)
+    memo.save()
+    return members
+
+
+def remembered_crlf_member(tmp_path):  # noqa: ANN001, ANN201
+    """A recipe of one member that a run has parsed and remembered: (recipe, memo, member file)."""
+    recipe_path = write_recipe(tmp_path, {"crlf_tail": CRLF_AND_NO_NEWLINE})
+    memo_file = tmp_path / "members.marshal"
+    load_and_save(load_recipe(recipe_path), memo_file)
+    return recipe_path, memo_file, tmp_path / "overlay" / "crlf_tail.patch"
+
+
 def recipes(tmp_path):  # noqa: ANN001, ANN201
     """The default recipe's two real members, and one with CRLF and no final newline."""
     return [load_recipe(DEFAULT_RECIPE), load_recipe(write_recipe(tmp_path, {"crlf_tail": CRLF_AND_NO_NEWLINE}))]
@@ -61,9 +77,7 @@ def test_a_remembered_member_is_what_parsing_gives(tmp_path, parses):
 def test_a_run_that_parsed_nothing_new_writes_nothing(tmp_path):
     memo_file = tmp_path / "members.marshal"
     recipe = load_recipe(DEFAULT_RECIPE)
-    first = ParseMemo(memo_file)
-    load_recipe_members(recipe, first)
-    first.save()
+    load_and_save(recipe, memo_file)
     stamp = memo_file.stat().st_mtime_ns
     second = ParseMemo(memo_file)
     load_recipe_members(recipe, second)
@@ -72,12 +86,7 @@ def test_a_run_that_parsed_nothing_new_writes_nothing(tmp_path):
 
 
 def test_a_changed_member_is_parsed_again(tmp_path, parses):
-    memo_file = tmp_path / "members.marshal"
-    recipe_path = write_recipe(tmp_path, {"crlf_tail": CRLF_AND_NO_NEWLINE})
-    memo = ParseMemo(memo_file)
-    load_recipe_members(load_recipe(recipe_path), memo)
-    memo.save()
-    member_file = tmp_path / "overlay" / "crlf_tail.patch"
+    recipe_path, memo_file, member_file = remembered_crlf_member(tmp_path)
     member_file.write_bytes(member_file.read_bytes().replace(b"+b = 2", b"+b = 3"))
     parses["n"] = 0
     (changed,) = load_recipe_members(load_recipe(recipe_path), ParseMemo(memo_file))
@@ -86,12 +95,7 @@ def test_a_changed_member_is_parsed_again(tmp_path, parses):
 
 
 def test_a_member_made_bad_is_refused_after_a_good_run(tmp_path):
-    memo_file = tmp_path / "members.marshal"
-    recipe_path = write_recipe(tmp_path, {"crlf_tail": CRLF_AND_NO_NEWLINE})
-    memo = ParseMemo(memo_file)
-    load_recipe_members(load_recipe(recipe_path), memo)
-    memo.save()
-    member_file = tmp_path / "overlay" / "crlf_tail.patch"
+    recipe_path, memo_file, member_file = remembered_crlf_member(tmp_path)
     member_file.write_bytes(member_file.read_bytes().replace(b"@@ -0,0 +1,2 @@", b"@@ -0,0 +1,3 @@"))
     with pytest.raises(MemberError, match="hunk 1 of vllm/x.py is shorter than its header says"):
         load_recipe_members(load_recipe(recipe_path), ParseMemo(memo_file))
@@ -112,9 +116,7 @@ def test_an_unreadable_memo_is_ignored_and_replaced(tmp_path, parses):
 def test_a_changed_parser_does_not_read_old_entries(tmp_path, parses, monkeypatch):
     memo_file = tmp_path / "members.marshal"
     recipe = load_recipe(DEFAULT_RECIPE)
-    memo = ParseMemo(memo_file)
-    load_recipe_members(recipe, memo)
-    memo.save()
+    load_and_save(recipe, memo_file)
     monkeypatch.setattr(M, "_PARSER_ID", [b"another parser"])
     parses["n"] = 0
     load_recipe_members(recipe, ParseMemo(memo_file))
@@ -126,9 +128,7 @@ def test_the_memo_keeps_this_runs_entries_first(tmp_path, monkeypatch, parses):
     monkeypatch.setattr(ParseMemo, "LIMIT", 2)
     default, crlf = recipes(tmp_path)
     for recipe in (crlf, default):  # 1 entry, then 2 more: the oldest one goes
-        memo = ParseMemo(memo_file)
-        load_recipe_members(recipe, memo)
-        memo.save()
+        load_and_save(recipe, memo_file)
     parses["n"] = 0
     load_recipe_members(default, ParseMemo(memo_file))
     assert parses["n"] == 0

@@ -175,10 +175,22 @@ def _apply_file(fp: FilePatch, state: FileState, member: str, result: MemberResu
         raise HunkFailure(path, None, "the tree has no such file")
     data = state.data or b""
     owned = state.owned
-    known = (0, 0)  # (line, byte offset) of a line start: newlines before it are counted
+    # The patched file is built up as pieces: everything before ``cursor`` in ``data`` has
+    # become ``pieces``.  A hunk found right at its line after the hunk before it (the usual
+    # case) needs no copy of the file; any other search first joins the pieces into ``data``.
+    pieces: list[bytes | memoryview] = []
+    cursor = 0
+    known = (0, 0)  # a line start, as (line in the patched file, byte offset in data)
     for hunk in fp.hunks:
         anchor = max(hunk.new_start - 1, 0)
-        found = find_hunk(data, hunk, anchor, known)
+        found = _right_after(data, hunk, anchor, known) if pieces and known[1] == cursor else None
+        if found is None:
+            if pieces:
+                offset = sum(map(len, pieces)) - cursor
+                data = b"".join((*pieces, memoryview(data)[cursor:]))
+                known = (known[0], known[1] + offset) if known[1] >= cursor else (0, 0)
+                pieces, cursor = [], 0
+            found = find_hunk(data, hunk, anchor, known)
         if found is None:
             raise HunkFailure(path, hunk, _mismatch(split_lines(data), hunk.old_lines, anchor), at=anchor)
         line, start = found
@@ -187,16 +199,34 @@ def _apply_file(fp: FilePatch, state: FileState, member: str, result: MemberResu
         owned, earlier = _reown(owned, line, hunk, member)
         if earlier:
             result.overlaps.append(Overlap(path, hunk, earlier))
-        view = memoryview(data)  # slices of a view are not copies: join copies the file once
-        data = b"".join((view[:start], hunk.new_block, view[start + len(hunk.old_block) :]))
-        if hunk.new_block.endswith(b"\n"):
-            known = (line + hunk.new_len, start + len(hunk.new_block))
+        pieces += (memoryview(data)[cursor:start], hunk.new_block)
+        cursor = start + len(hunk.old_block)
+        # the byte after the new lines starts a line, unless they end without a newline
+        known = (line + hunk.new_len, cursor) if not hunk.new_block or hunk.new_block.endswith(b"\n") else (0, -1)
+    if pieces:
+        data = b"".join((*pieces, memoryview(data)[cursor:]))
     if fp.new_path is None:
         if data:
             raise HunkFailure(path, None, f"a deletion, but {len(split_lines(data))} lines would remain")
         return FileState(None)
     mode = int(fp.new_mode, 8) & 0o777 if fp.new_mode else state.mode
     return FileState(data, owned, mode)
+
+
+def _right_after(data: bytes, hunk: Hunk, anchor: int, known: tuple[int, int]) -> tuple[int, int] | None:
+    """The hunk's match exactly at ``anchor``, looked for only after ``known`` (the end of the
+    hunk before it); None when it is not there, or when the hunk is one that must be placed
+    at the start or the end of the file: then the whole file is searched."""
+    old = hunk.old_block
+    if hunk.old_start <= 1 or hunk.trailing_context == 0 or not old.endswith(b"\n") or not hunk.old_fits_a_file:
+        return None
+    line, at = known
+    pos = data.find(old, at)
+    while pos > at and data[pos - 1] != 10:
+        pos = data.find(old, pos + 1)
+    if pos >= 0 and line + data.count(b"\n", at, pos) == anchor:
+        return anchor, pos  # distance 0: nothing can be nearer
+    return None
 
 
 def find_hunk(data: bytes, hunk: Hunk, anchor: int, known: tuple[int, int] = (0, 0)) -> tuple[int, int] | None:
@@ -221,12 +251,6 @@ def find_hunk(data: bytes, hunk: Hunk, anchor: int, known: tuple[int, int] = (0,
             return None
         line, counted = known if known[1] <= start else (0, 0)
         return line + data.count(b"\n", counted, start) + (not old and not data.endswith(b"\n") and bool(data)), start
-    if known[1]:  # the usual case first: right at its line, after the hunk before it
-        pos = data.find(old, known[1])
-        while pos >= 0 and data[pos - 1] != 10:
-            pos = data.find(old, pos + 1)
-        if pos >= 0 and known[0] + data.count(b"\n", known[1], pos) == anchor:
-            return anchor, pos  # distance 0: nothing can be nearer
     # every match is line-aligned and ends with a newline: walk them in order, counting lines
     line = counted = 0
     behind: tuple[int, int] | None = None  # the last match before the anchor

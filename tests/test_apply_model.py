@@ -123,12 +123,12 @@ def random_hunk(rng: random.Random, lines: list[bytes], number: int) -> Hunk:
 def test_byte_level_apply_agrees_with_the_line_model(seed):
     rng = random.Random(seed)
     placed = failed = offset = overlapped = 0
-    for _ in range(2000):
+    for _ in range(3000):
         lines = random_file(rng)
         owners: list[str | None] = [None] * len(lines)
         state = FileState(b"".join(lines))
         for member in ("m1", "m2", "m3"):
-            hunks = [random_hunk(rng, lines, n) for n in range(1, rng.randrange(2, 4))]
+            hunks = [random_hunk(rng, lines, n) for n in range(1, rng.randrange(2, 5))]
             expected = model_apply(lines, owners, hunks, member)
             result = MemberResult(member=None)  # type: ignore[arg-type]
             try:

@@ -13,7 +13,6 @@ import hashlib
 import marshal
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AnyStr, NamedTuple
 
@@ -104,11 +103,10 @@ class FilePatch(NamedTuple):
         return FilePatch(self.new_path, self.old_path, None, tuple(h.reversed() for h in self.hunks))
 
 
-@dataclass(frozen=True)
-class Member:
+class Member(NamedTuple):
     name: str
     path: Path
-    fields: dict[str, list[str]] = field(compare=False)
+    fields: dict[str, list[str]]  # the header: DEP-3 fields and ours
     files: tuple[FilePatch, ...]
     digest: str  # sha256 of the normalized diff (see _normalize): the member's identity in the runtime key
 

@@ -97,12 +97,21 @@ class _Writer:
         self.root = str(root)
         self.made: set[str] = {self.root}
 
+    def _make(self, directory: str) -> None:
+        """``directory`` and the parents it lacks, below the root (which exists)."""
+        missing = []
+        while directory not in self.made:
+            missing.append(directory)
+            directory = directory.rpartition("/")[0]
+        for made in reversed(missing):
+            os.mkdir(made)
+            self.made.add(made)
+
     def write(self, path: str, data: bytes, mode: int | None) -> None:
         dest = f"{self.root}/{path}"
         parent = dest.rpartition("/")[0]
         if parent not in self.made:
-            os.makedirs(parent, exist_ok=True)
-            self.made.add(parent)
+            self._make(parent)
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644 if mode is None else mode)
         try:
             view = memoryview(data)

@@ -81,17 +81,10 @@ class HunkFailure(Exception):
 @dataclass(frozen=True)
 class FileChange:
     path: str
-    before: bytes | None
-    after: bytes | None
+    before_sha256: str | None  # None: the tree has no such file
+    after: bytes | None  # None: deleted
     mode: int | None
     members: tuple[str, ...]
-    recorded_before_sha256: str | None = None  # what the tree records for it (a wheel's RECORD)
-
-    @cached_property
-    def before_sha256(self) -> str | None:
-        if self.before is not None and self.recorded_before_sha256 is not None:
-            return self.recorded_before_sha256
-        return sha256(self.before)
 
     @cached_property
     def after_sha256(self) -> str | None:
@@ -113,14 +106,15 @@ class Workspace:
 
     def __init__(self, tree: Tree) -> None:
         self.tree = tree
-        self.base: dict[str, bytes | None] = {}
+        # the base file's sha256 (None: absent); its bytes are not kept once a member replaced them
+        self.base_sha256: dict[str, str | None] = {}
         self.files: dict[str, FileState] = {}
         self.touched_by: dict[str, list[str]] = {}
 
     def state(self, path: str) -> FileState:
         if path not in self.files:
             data = self.tree.read(path)
-            self.base[path] = data
+            self.base_sha256[path] = None if data is None else self.tree.recorded_sha256(path) or sha256(data)
             self.files[path] = FileState(data)
         return self.files[path]
 
@@ -147,9 +141,7 @@ class Workspace:
         out = []
         for path, names in self.touched_by.items():
             state = self.files[path]
-            base = self.base[path]
-            recorded = None if base is None else self.tree.recorded_sha256(path)
-            out.append(FileChange(path, base, state.data, state.mode, tuple(names), recorded))
+            out.append(FileChange(path, self.base_sha256[path], state.data, state.mode, tuple(names)))
         return tuple(out)
 
 

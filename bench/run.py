@@ -102,7 +102,7 @@ def command_in_process(recipe_path: Path, out: Path, cache: Path, *, memo: bool)
     from builder.cli import main
 
     if not memo:
-        (cache / "members.marshal").unlink(missing_ok=True)
+        shutil.rmtree(cache / "members", ignore_errors=True)
     os.environ["VLLM_OVERLAY_CACHE"] = str(cache)
     sink = io.StringIO()
     try:
@@ -150,7 +150,7 @@ def stages(recipe_path: Path, out: Path, cache: Path) -> dict[str, float]:
     times = {}
     start = time.perf_counter()
     recipe = load_recipe(recipe_path)
-    members = load_recipe_members(recipe, ParseMemo(cache / "members.marshal"))
+    members = load_recipe_members(recipe, ParseMemo.for_recipe(recipe, cache))
     key = runtime_key(recipe, members)
     times["members + key"] = time.perf_counter() - start
     mark = time.perf_counter()

@@ -17,23 +17,30 @@ from builder.errors import InputError, OverlayError
 DEFAULT_RECIPE = "recipes/v41-sm120.yaml"
 
 
+def _members(args: argparse.Namespace, recipe):  # noqa: ANN001, ANN202
+    """The recipe's members, through its parse memo (saved by main() if the command succeeds)."""
+    from builder.members import ParseMemo, load_recipe_members
+
+    memo = ParseMemo.for_recipe(recipe)
+    args.memos.append(memo)
+    return load_recipe_members(recipe, memo)
+
+
 def _load(args: argparse.Namespace):  # noqa: ANN202
-    from builder.members import load_recipe_members
     from builder.recipe import load_recipe
     from builder.tree import pinned_tree
 
     recipe = load_recipe(args.recipe)
-    members = load_recipe_members(recipe, args.memo)
+    members = _members(args, recipe)
     return recipe, members, pinned_tree(recipe.vllm)
 
 
 def cmd_key(args: argparse.Namespace) -> int:
     from builder.key import runtime_key, short_key
-    from builder.members import load_recipe_members
     from builder.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
-    key = runtime_key(recipe, load_recipe_members(recipe, args.memo))
+    key = runtime_key(recipe, _members(args, recipe))
     print(short_key(key) if args.short else key)
     return 0
 
@@ -137,12 +144,11 @@ def cmd_image(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from builder.members import load_recipe_members
     from builder.plan import plan, write_github_output
     from builder.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
-    result = plan(recipe, load_recipe_members(recipe, args.memo))
+    result = plan(recipe, _members(args, recipe))
     print("\n".join(result.lines()))
     write_github_output(result)
     return 0
@@ -193,13 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         argv, serve_argv = argv[:at], argv[at + 1 :]
     args = build_parser().parse_args(argv)
     args.serve_argv = serve_argv
-    from builder.members import ParseMemo
-
-    args.memo = ParseMemo.in_cache()
+    args.memos = []
     try:
         code = args.func(args)
         if code == 0:
-            args.memo.save()  # only a run that succeeded leaves anything in the cache
+            for memo in args.memos:  # only a run that succeeded leaves anything in the cache
+                memo.save()
         return code
     except OverlayError as exc:
         print(f"vllm-overlay: {exc}", file=sys.stderr)

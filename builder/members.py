@@ -13,6 +13,7 @@ import hashlib
 import marshal
 import os
 import re
+import time
 from pathlib import Path
 from typing import AnyStr, NamedTuple
 
@@ -211,12 +212,14 @@ class ParseMemo:
 
     Kept in the cache so that an unchanged member is not parsed again, as
     Python keeps .pyc files: parsing is most of the time of applying many
-    small members.  Only what parsed cleanly is remembered, and only
-    ``save()`` writes, which the command calls once it has succeeded, so a
-    run that fails leaves the cache as it was.
+    small members.  There is one memo file per recipe file, holding the
+    members its last run parsed, so a run reads only its own.  Only what
+    parsed cleanly is remembered, and only ``save()`` writes, which the
+    command calls once it has succeeded: a run that fails leaves the cache
+    as it was.
     """
 
-    LIMIT = 4096  # entries kept: this run's, then the most recent others
+    KEEP_DAYS = 30  # a memo not rewritten for this long goes (temporary recipes, tests')
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
@@ -225,8 +228,9 @@ class ParseMemo:
         self.added = False
 
     @classmethod
-    def in_cache(cls) -> ParseMemo:
-        return cls(cache_root() / "members.marshal")
+    def for_recipe(cls, recipe: Recipe, root: Path | None = None) -> ParseMemo:
+        where = hashlib.sha256(str(recipe.path.resolve()).encode()).hexdigest()[:16]
+        return cls((root or cache_root()) / "members" / f"{where}.marshal")
 
     def member(self, name: str, path: Path, data: bytes) -> Member:
         digest = hashlib.sha256(_parser_id() + data).digest()
@@ -255,15 +259,15 @@ class ParseMemo:
         return self.seen
 
     def save(self) -> None:
+        """Keep exactly the members this run used, if it parsed any anew."""
         if not self.added or self.path is None:
             return
-        kept = dict(self.used)
-        for digest, packed in self._entries().items():  # saved newest first
-            if len(kept) >= self.LIMIT:
-                break
-            kept.setdefault(digest, packed)
         try:
-            atomic_write(self.path, marshal.dumps(kept))
+            atomic_write(self.path, marshal.dumps(self.used))
+            cutoff = time.time() - self.KEEP_DAYS * 86400
+            for other in os.scandir(self.path.parent):
+                if other.name.endswith(".marshal") and other.stat().st_mtime < cutoff:
+                    os.unlink(other.path)
         except OSError:
             pass  # a read-only cache only costs parsing again next time
         self.added = False

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
+
 import pytest
 
 from builder import members as M
@@ -123,17 +127,34 @@ def test_a_changed_parser_does_not_read_old_entries(tmp_path, parses, monkeypatc
     assert parses["n"] == len(recipe.members)
 
 
-def test_the_memo_keeps_this_runs_entries_first(tmp_path, monkeypatch, parses):
-    memo_file = tmp_path / "members.marshal"
-    monkeypatch.setattr(ParseMemo, "LIMIT", 2)
+def test_each_recipe_has_its_own_memo_holding_its_last_runs_members(tmp_path, parses):
     default, crlf = recipes(tmp_path)
-    for recipe in (crlf, default):  # 1 entry, then 2 more: the oldest one goes
-        load_and_save(recipe, memo_file)
+    files = {ParseMemo.for_recipe(r, tmp_path / "cache").path for r in (default, crlf)}
+    assert len(files) == 2 and all(f.parent == tmp_path / "cache" / "members" for f in files)
+    for recipe in (default, crlf):
+        memo = ParseMemo.for_recipe(recipe, tmp_path / "cache")
+        load_recipe_members(recipe, memo)
+        memo.save()
     parses["n"] = 0
-    load_recipe_members(default, ParseMemo(memo_file))
+    for recipe in (default, crlf):
+        load_recipe_members(recipe, ParseMemo.for_recipe(recipe, tmp_path / "cache"))
     assert parses["n"] == 0
-    load_recipe_members(crlf, ParseMemo(memo_file))
-    assert parses["n"] == 1
+    # a run keeps exactly the members it used: a member the recipe dropped is not read again
+    memo = ParseMemo.for_recipe(default, tmp_path / "cache")
+    assert len(memo._entries()) == len(default.members)
+
+
+def test_memos_not_rewritten_for_a_month_are_removed(tmp_path):
+    default, crlf = recipes(tmp_path)
+    old = ParseMemo.for_recipe(default, tmp_path / "cache")
+    load_recipe_members(default, old)
+    old.save()
+    month_ago = time.time() - 31 * 86400
+    os.utime(old.path, (month_ago, month_ago))
+    fresh = ParseMemo.for_recipe(crlf, tmp_path / "cache")
+    load_recipe_members(crlf, fresh)
+    fresh.save()
+    assert fresh.path.is_file() and not old.path.exists()
 
 
 def test_the_command_saves_the_memo_only_when_it_succeeds(tmp_path, isolated_cache):
@@ -141,8 +162,8 @@ def test_the_command_saves_the_memo_only_when_it_succeeds(tmp_path, isolated_cac
     env = {"VLLM_OVERLAY_CACHE": str(cache)}
     recipe_path = write_recipe(tmp_path / "good", {"crlf_tail": CRLF_AND_NO_NEWLINE})
     assert run_cli("key", recipe_path, env=env).returncode == 0
-    assert (cache / "members.marshal").is_file()
-    (cache / "members.marshal").unlink()
+    assert len(list((cache / "members").glob("*.marshal"))) == 1
+    shutil.rmtree(cache / "members")
     # parses cleanly, then does not apply (the file it creates is in the tree already): exit 2, no memo
     exists = member_text(
         "diff --git a/vllm/__init__.py b/vllm/__init__.py\n"
@@ -155,4 +176,4 @@ def test_the_command_saves_the_memo_only_when_it_succeeds(tmp_path, isolated_cac
     proc = run_cli("apply", write_recipe(tmp_path / "bad", {"exists": exists}), "--out", tmp_path / "out", env=env)
     assert proc.returncode == 2, proc.stderr
     assert "a new file, but the tree already has it" in proc.stderr
-    assert not (cache / "members.marshal").exists()
+    assert not (cache / "members").exists()

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
+
+import docker
+import unidiff
+import yaml
 
 from builder.key import key_material, runtime_key, short_key
 from builder.members import load_recipe_members
 from builder.recipe import load_recipe
-from tests.helpers import VLLM_PIN, run_cli, write_recipe
+from tests.helpers import DEFAULT_RECIPE, ROOT, VLLM_PIN, run_cli, write_recipe
+from tests.services import load_service_env
 
 # Two small members, written out by hand (no tree needed: the key never reads it).
 DIFF_A = """diff --git a/vllm/a.py b/vllm/a.py
@@ -110,3 +116,43 @@ def test_key_command_is_the_same_from_two_clones(tmp_path):
     assert out[0].stdout == out[1].stdout == hand_key() + "\n"
     short = run_cli("key", "--short", one / "recipe.yaml")
     assert short.stdout.strip() == hand_key()[3:19]
+
+
+def test_key_is_the_same_in_another_environment(tmp_path):
+    """The closest to a second machine this one offers: a container of the test base image
+    (Debian's Python build, not this one), the code copied to another path, another user,
+    HOME, locale and time zone.  Its `key` of the default recipe and of the hand-made one
+    must be this machine's."""
+    services = load_service_env()
+    src = tmp_path / "src"
+    for part in ("builder", "recipes", "overlay"):
+        shutil.copytree(ROOT / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
+    deps = tmp_path / "deps"
+    for module in (unidiff, yaml):  # pure Python, and PyYAML's CPython 3.11 extension
+        shutil.copytree(Path(module.__file__).parent, deps / module.__name__, ignore=shutil.ignore_patterns("__pycache__"))
+    hand = tmp_path / "hand"
+    hand.mkdir()
+    write_recipe(hand, {"alpha": HEADER.format(d="x") + DIFF_A, "beta": HEADER.format(d="y") + DIFF_B})
+    for directory in (src, deps, hand):
+        for path in [directory, *directory.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    engine = docker.DockerClient(base_url=services["DOCKER_HOST"], timeout=120)
+    try:
+        script = (
+            "python3 --version 1>&2; cd /elsewhere/src && "
+            "python3 -m builder key recipes/v41-sm120.yaml && python3 -m builder key /elsewhere/hand/recipe.yaml"
+        )
+        logs = engine.containers.run(
+            services["VLLM_OVERLAY_TEST_BASE_IMAGE"], ["sh", "-c", script], user="4321:4321", remove=True,
+            environment={"PYTHONPATH": "/elsewhere/src:/elsewhere/deps", "HOME": "/tmp/home", "LANG": "C",
+                         "TZ": "Pacific/Kiritimati", "PYTHONDONTWRITEBYTECODE": "1"},
+            volumes={str(src): {"bind": "/elsewhere/src", "mode": "ro"}, str(deps): {"bind": "/elsewhere/deps", "mode": "ro"},
+                     str(hand): {"bind": "/elsewhere/hand", "mode": "ro"}},
+            network_disabled=True, stdout=True, stderr=False,
+        )
+    finally:
+        engine.close()
+    elsewhere = logs.decode().split()
+    here = [run_cli("key", DEFAULT_RECIPE).stdout.strip(), run_cli("key", hand / "recipe.yaml").stdout.strip()]
+    assert elsewhere == here
+    assert here[1] == hand_key()

@@ -53,3 +53,22 @@ def test_a_record_hash_is_used_as_the_before_hash(tmp_path):
     member_file.write_text(member_text(git_diff({"tiny/mod.py": body}, {"tiny/mod.py": b"x = 1\ny = 3\n"})))
     (change,) = apply_members(WheelTree(wheel), [load_member(member_file)]).changes
     assert change.before_sha256 == recorded.hex()
+
+
+def test_entries_with_a_long_extra_field_or_stored_are_read_whole(tmp_path):
+    """An entry is read with its local header in one go, guessing the extra field short;
+    a longer one is read again, and a stored (uncompressed) entry comes back as bytes."""
+    wheel = tmp_path / "odd-1.0-py3-none-any.whl"
+    body = b"".join(b"line %d\n" % i for i in range(2000))
+    long_extra = zipfile.ZipInfo("odd/long_extra.py")
+    long_extra.compress_type = zipfile.ZIP_DEFLATED
+    long_extra.extra = b"\xfe\xca" + (300).to_bytes(2, "little") + b"x" * 300  # an unknown 300-byte field
+    stored = zipfile.ZipInfo("odd/stored.py")
+    stored.compress_type = zipfile.ZIP_STORED
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(long_extra, body)
+        z.writestr(stored, body[:500])
+    tree = WheelTree(wheel)
+    assert tree.read("odd/long_extra.py") == body
+    data = tree.read("odd/stored.py")
+    assert type(data) is bytes and data == body[:500]

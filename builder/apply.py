@@ -210,7 +210,7 @@ def _right_after(data: bytes, hunk: Hunk, anchor: int, known: tuple[int, int]) -
     hunk before it); None when it is not there, or when the hunk is one that must be placed
     at the start or the end of the file: then the whole file is searched."""
     old = hunk.old_block
-    if hunk.old_start <= 1 or hunk.trailing_context == 0 or not old.endswith(b"\n") or not hunk.old_fits_a_file:
+    if not hunk.old_fits_a_file or any(_pinned(hunk)):
         return None
     line, at = known
     pos = data.find(old, at)
@@ -219,6 +219,13 @@ def _right_after(data: bytes, hunk: Hunk, anchor: int, known: tuple[int, int]) -
     if pos >= 0 and line + data.count(b"\n", at, pos) == anchor:
         return anchor, pos  # distance 0: nothing can be nearer
     return None
+
+
+def _pinned(hunk: Hunk) -> tuple[bool, bool]:
+    """(must match at the start of the file, must match at its end), as git apply rules: a hunk
+    at line 1, and one without trailing context or whose last line has no newline."""
+    old = hunk.old_block
+    return hunk.old_start <= 1, hunk.trailing_context == 0 or (bool(old) and not old.endswith(b"\n"))
 
 
 def find_hunk(data: bytes, hunk: Hunk, anchor: int, known: tuple[int, int] = (0, 0)) -> tuple[int, int] | None:
@@ -232,8 +239,7 @@ def find_hunk(data: bytes, hunk: Hunk, anchor: int, known: tuple[int, int] = (0,
     old = hunk.old_block
     if not hunk.old_fits_a_file:
         return None
-    match_beginning = hunk.old_start <= 1
-    match_end = hunk.trailing_context == 0 or (old and not old.endswith(b"\n"))
+    match_beginning, match_end = _pinned(hunk)
     if match_beginning:
         fits = data == old if match_end else data.startswith(old) and (old.endswith(b"\n") or len(old) == len(data))
         return (0, 0) if fits else None
@@ -265,8 +271,6 @@ def find_hunk(data: bytes, hunk: Hunk, anchor: int, known: tuple[int, int] = (0,
 def _reown(owned: tuple[Owned, ...], line: int, hunk: Hunk, member: str) -> tuple[tuple[Owned, ...], tuple[str, ...]]:
     """The runs of member-written lines once ``hunk`` has replaced its old lines at ``line``,
     and the earlier members whose lines it read (context it kept or lines it removed)."""
-    if not owned:  # the usual case: no member wrote this file before
-        return tuple((line + first, line + end, member) for first, end in hunk.added_runs), ()
     end = line + hunk.old_len
     shift = hunk.new_len - hunk.old_len
     before: list[Owned] = []

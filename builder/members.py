@@ -15,7 +15,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import AnyStr, NamedTuple
+from typing import NamedTuple
 
 import unidiff
 
@@ -33,7 +33,6 @@ HUNK_HEADER_RE = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@(?: .*)?
 GIT_HEADER_PREFIXES = ("index ", "--- ", "+++ ", "new file mode ", "deleted file mode ", "old mode ", "new mode ",
                        "similarity index ", "dissimilarity index ", "rename from ", "rename to ", "copy from ", "copy to ")
 UNSUPPORTED_HEADERS = {"rename from ": "a rename", "copy from ": "a copy", "old mode ": "a mode change"}
-NO_NEWLINE = "\\"
 
 
 class Hunk(NamedTuple):
@@ -54,7 +53,7 @@ class Hunk(NamedTuple):
 
     @property
     def header(self) -> str:
-        return f"@@ -{self.old_start},{self.old_len} +{self.new_start},{self.new_len} @@"
+        return hunk_header(self.old_start, self.old_len, self.new_start, self.new_len)
 
     @property
     def old_lines(self) -> list[bytes]:
@@ -67,6 +66,11 @@ class Hunk(NamedTuple):
     def reversed(self) -> Hunk:
         swap = {" ": " ", "-": "+", "+": "-"}
         return hunk(self.number, self.new_start, self.new_len, self.old_start, self.old_len, tuple((swap[k], t) for k, t in self.lines))
+
+
+def hunk_header(old_start: int, old_len: int, new_start: int, new_len: int) -> str:
+    """Both counts always written, no section text: as reports show it and the key hashes it."""
+    return f"@@ -{old_start},{old_len} +{new_start},{new_len} @@"
 
 
 def hunk(number: int, old_start: int, old_len: int, new_start: int, new_len: int, lines: tuple[tuple[str, bytes], ...]) -> Hunk:
@@ -127,20 +131,12 @@ class MemberError(InputError):
     pass
 
 
-# Characters other than "\n" at which str.splitlines would also break a line.
-_OTHER_BREAKS = re.compile("[\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
-
-
-def split_lines(text: AnyStr) -> list[AnyStr]:
-    """Split on "\n" only, keeping it: a "\r" or form feed is part of a line, as in git."""
-    if isinstance(text, bytes):
-        if b"\r" not in text:
-            return text.splitlines(keepends=True)  # the fast path: same result without "\r"
-    elif not _OTHER_BREAKS.search(text):
-        return text.splitlines(keepends=True)
-    newline = "\n" if isinstance(text, str) else b"\n"
-    parts = text.split(newline)  # type: ignore[arg-type]
-    lines = [part + newline for part in parts[:-1]]
+def split_lines(data: bytes) -> list[bytes]:
+    """Split on "\n" only, keeping it: a "\r" is part of a line, as in git."""
+    if b"\r" not in data:
+        return data.splitlines(keepends=True)  # the fast path: bytes break only at \n and \r
+    parts = data.split(b"\n")
+    lines = [part + b"\n" for part in parts[:-1]]
     if parts[-1]:
         lines.append(parts[-1])
     return lines
@@ -221,7 +217,7 @@ class ParseMemo:
 
     KEEP_DAYS = 30  # a memo not rewritten for this long goes (temporary recipes, tests')
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path
         self.seen: dict[bytes, tuple] | None = None  # read on first use
         self.used: dict[bytes, tuple] = {}
@@ -251,7 +247,7 @@ class ParseMemo:
         if self.seen is None:
             self.seen = {}
             try:
-                loaded = marshal.loads(self.path.read_bytes()) if self.path else {}
+                loaded = marshal.loads(self.path.read_bytes())
                 if isinstance(loaded, dict):
                     self.seen = loaded
             except (OSError, ValueError, EOFError, TypeError):
@@ -260,7 +256,7 @@ class ParseMemo:
 
     def save(self) -> None:
         """Keep exactly the members this run used, if it parsed any anew."""
-        if not self.added or self.path is None:
+        if not self.added:
             return
         try:
             atomic_write(self.path, marshal.dumps(self.used))
@@ -357,7 +353,8 @@ def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[tuple]]
         if in_hunk and raw.startswith(b"\\"):
             _no_newline(body)
             continue
-        line = _text(raw).rstrip("\n")
+        text = _text(raw)
+        line = text.rstrip("\n")
         if line.endswith("\r"):
             line = line[:-1]
         if line.startswith("diff --git "):
@@ -365,7 +362,7 @@ def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[tuple]]
             hunk_no = 0
             file_label = _git_line_path(line, f"{where}: line {index}")
             files.append([])
-            file_headers.append(_text(raw))
+            file_headers.append(text)
             continue
         if line.startswith("@@"):
             match = HUNK_HEADER_RE.fullmatch(line)
@@ -415,7 +412,7 @@ def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[tuple]]
             named = line[4:].split("\t")[0]
             if named not in (side + file_label, "/dev/null"):
                 raise MemberError(f"{where}: line {index}: {line[:4]}{named!r} does not match the 'diff --git' line (expected {side}{file_label} or /dev/null)")
-            file_headers.append(_text(raw))
+            file_headers.append(text)
             continue
         if line.startswith("GIT binary patch") or line.startswith("Binary files "):
             raise MemberError(f"{where}: line {index}: {file_label}: binary diffs are not supported")
@@ -424,7 +421,7 @@ def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[tuple]]
                 raise MemberError(f"{where}: line {index}: {file_label}: {what} is not supported (write a deletion and a new file)")
         if not line.startswith(GIT_HEADER_PREFIXES):
             raise MemberError(f"{where}: line {index}: unexpected line in the header of {file_label}: {line[:60]!r}")
-        file_headers.append(_text(raw))
+        file_headers.append(text)
     return [[tuple(hunk(*spec[:5], tuple(spec[5]))) for spec in hunks] for hunks in files], file_headers
 
 
@@ -505,7 +502,7 @@ def _normalize(files: tuple[tuple, ...]) -> bytes:
         out.append(f"--- {'a/' + old_path if old_path else '/dev/null'}\n".encode("utf-8", "surrogateescape"))
         out.append(f"+++ {'b/' + new_path if new_path else '/dev/null'}\n".encode("utf-8", "surrogateescape"))
         for _, old_start, old_len, new_start, new_len, lines, *_ in hunks:
-            out.append(f"@@ -{old_start},{old_len} +{new_start},{new_len} @@\n".encode())
+            out.append(hunk_header(old_start, old_len, new_start, new_len).encode() + b"\n")
             for kind, text in lines:
                 out.append(_KIND_BYTES[kind] + text)
                 if not text.endswith(b"\n"):

@@ -115,7 +115,7 @@ class WheelTree:
                 }
         except (zipfile.BadZipFile, OSError, zlib.error) as exc:
             raise InputError(f"{path}: not a valid wheel (zip): {exc}") from None
-        symlinks = any(stat.S_ISLNK(row[5] >> 16) for row in rows.values())
+        symlinks = any(_Entry(*row).is_symlink for row in rows.values())
         if index_file is not None:
             try:
                 atomic_write(index_file, marshal.dumps((self.INDEX_FORMAT, symlinks, rows)))
@@ -148,7 +148,7 @@ class WheelTree:
                 raise ValueError(f"compression method {entry.method} is not supported")
             if len(data) != entry.size or isal_zlib.crc32(data) != entry.crc:
                 raise ValueError("size or CRC-32 does not match the central directory")
-        except (OSError, ValueError, zlib.error, isal_zlib.error, struct.error) as exc:
+        except (OSError, ValueError, isal_zlib.error, struct.error) as exc:
             raise InputError(f"{self.label}: entry {path} is corrupt: {exc}") from None
         return data
 

@@ -17,12 +17,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 
 from builder.errors import OverlayError
-from builder.pin import cache_root
+from builder.pin import atomic_write, cache_root
 
 # torch pinned by vLLM 0.30.0; installed first so pip picks the build the
 # machine provides (a CPU build on the CI machine) before vLLM's own resolve.
@@ -133,10 +132,7 @@ def ensure_probe_venv(
             # absent anyway, so the next call rebuilds.
             shutil.rmtree(venv, ignore_errors=True)
             raise
-        fd, tmp = tempfile.mkstemp(dir=venv, prefix=".complete.")
-        with os.fdopen(fd, "w") as fh:
-            fh.write(_marker_text(version))
-        os.replace(tmp, marker)
+        atomic_write(marker, _marker_text(version).encode())
         progress(f"probe venv ready: {python}")
     return python
 

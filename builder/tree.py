@@ -17,6 +17,7 @@ import stat
 import struct
 import zipfile
 import zlib
+from functools import cached_property
 from pathlib import Path
 from typing import Iterator, NamedTuple, Protocol, TextIO
 
@@ -76,6 +77,9 @@ def _escapes(link_dir: str, target: str) -> bool:
 
 
 _EXTRA_SLACK = 64  # bytes of local extra field read along with an entry's header
+# an index row: offset, method, compressed size, size, CRC-32, external attributes, is a
+# directory, has a RECORD digest
+_ROW = struct.Struct("<QHQQIIBB")
 
 
 class WheelTree:
@@ -86,42 +90,60 @@ class WheelTree:
     entries in Python costs more than applying a handful of members.
     """
 
-    INDEX_FORMAT = 2  # (format, holds a symlink, {name: the fields of an _Entry})
+    # (format, holds a symlink, {name: row number}, rows packed as _ROW, 32 bytes of RECORD
+    # digest per row): packed, it loads in a fifth of the time of a dict of tuples
+    INDEX_FORMAT = 3
 
     def __init__(self, path: Path, index_file: Path | None = None) -> None:
         self.label = str(path)
-        self._symlinks, self._rows = self._load_index(path, index_file)
+        self._path, self._index_file = path, index_file
         self._fd = os.open(path, os.O_RDONLY)
 
-    def _entry(self, name: str) -> _Entry | None:
-        row = self._rows.get(name)
-        return None if row is None else _Entry(*row)
+    @cached_property
+    def _index(self) -> tuple[bool, dict[str, int], bytes, bytes]:
+        """Loaded on first use: worker processes (builder.workers) each load it at once."""
+        return self._load_index(self._path, self._index_file)
 
-    def _load_index(self, path: Path, index_file: Path | None) -> tuple[bool, dict[str, tuple]]:
+    @property
+    def _symlinks(self) -> bool:
+        return self._index[0]
+
+    def _entry(self, name: str) -> _Entry | None:
+        _, numbers, rows, digests = self._index
+        number = numbers.get(name)
+        if number is None:
+            return None
+        *fields, recorded = _ROW.unpack_from(rows, number * _ROW.size)
+        return _Entry(*fields, digests[32 * number : 32 * number + 32] if recorded else None)
+
+    def _load_index(self, path: Path, index_file: Path | None) -> tuple[bool, dict[str, int], bytes, bytes]:
         if index_file is not None:
             try:
-                fmt, symlinks, rows = marshal.loads(index_file.read_bytes())
+                fmt, *index = marshal.loads(index_file.read_bytes())
                 if fmt == self.INDEX_FORMAT:
-                    return symlinks, rows
+                    return tuple(index)  # type: ignore[return-value]
             except (OSError, ValueError, EOFError, TypeError):
                 pass  # absent, unreadable or an older format: parse the zip and write it anew
         try:
             with zipfile.ZipFile(path) as zf:
                 recorded = _record_digests(zf)
-                rows = {
-                    i.filename: (i.header_offset, i.compress_type, i.compress_size, i.file_size, i.CRC, i.external_attr, i.is_dir(),
-                                 recorded.get(i.filename))
-                    for i in zf.infolist()
-                }
+                infos = zf.infolist()
         except (zipfile.BadZipFile, OSError, zlib.error) as exc:
             raise InputError(f"{path}: not a valid wheel (zip): {exc}") from None
-        symlinks = any(_Entry(*row).is_symlink for row in rows.values())
+        numbers = {info.filename: n for n, info in enumerate(infos)}
+        rows = b"".join(
+            _ROW.pack(i.header_offset, i.compress_type, i.compress_size, i.file_size, i.CRC, i.external_attr, i.is_dir(), i.filename in recorded)
+            for i in infos
+        )
+        digests = b"".join(recorded.get(i.filename, bytes(32)) for i in infos)
+        symlinks = any(stat.S_ISLNK(i.external_attr >> 16) for i in infos)
+        index = (symlinks, numbers, rows, digests)
         if index_file is not None:
             try:
-                atomic_write(index_file, marshal.dumps((self.INDEX_FORMAT, symlinks, rows)))
+                atomic_write(index_file, marshal.dumps((self.INDEX_FORMAT, *index)))
             except OSError:
                 pass  # a read-only cache only costs parsing again next time
-        return symlinks, rows
+        return index
 
     def read(self, path: str) -> bytes | None:
         entry = self._entry(path)
@@ -170,8 +192,9 @@ class WheelTree:
         return None
 
     def walk(self) -> Iterator[tuple[str, bytes, int]]:
-        for name, row in self._rows.items():
-            info = _Entry(*row)
+        for name in self._index[1]:
+            info = self._entry(name)
+            assert info is not None
             if info.is_dir or info.is_symlink:
                 continue
             yield name, self.read(name) or b"", (info.external_attr >> 16) & 0o777 or 0o644

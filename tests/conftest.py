@@ -24,7 +24,7 @@ SELFTEST_FILE = "vllm/models/deepseek_v41/nvidia/sm120_decode_shape_selftest.py"
 def vllm_wheel() -> Path:
     """The real pinned vLLM 0.30.0 wheel, fetched once into the user cache and sha256-checked."""
     pin = load_recipe(DEFAULT_RECIPE).vllm
-    pinned_tree(pin)  # also leaves the wheel's zip index in the cache, as any run does
+    pinned_tree(pin).read("vllm/__init__.py")  # also leaves the wheel's zip index in the cache, as any run does
     return pinned_wheel(pin)
 
 

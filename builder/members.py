@@ -28,6 +28,8 @@ SINGLE_FIELDS = {"Description", "Origin", "Author", "Forwarded", "Applied-Upstre
 REPEATABLE_FIELDS = {"Bug", "Reviewed-by"}
 UPSTREAM_STATUS_RE = re.compile(r"Pending|Backport|Denied|Inactive-Upstream|Submitted \[[^\]\s][^\]]*\]|Inappropriate \[[^\]\s][^\]]*\]")
 DATE_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
+HEADER_FIELD_RE = re.compile(r"([A-Za-z][A-Za-z0-9-]*):[ \t]*(.*)")
+_TWO_PATHS_RE = re.compile(r"a/(\S+) b/(\S+)")
 HUNK_HEADER_RE = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@(?: .*)?")
 # Extended header lines git writes between "diff --git" and the first hunk.
 GIT_HEADER_PREFIXES = ("index ", "--- ", "+++ ", "new file mode ", "deleted file mode ", "old mode ", "new mode ",
@@ -90,8 +92,11 @@ def hunk(number: int, old_start: int, old_len: int, new_start: int, new_len: int
                 else:
                     runs.append((at, at + 1))
             new.append(text)
-    fits = all(line.endswith(b"\n") for line in old[:-1])
-    return Hunk(number, old_start, old_len, new_start, new_len, lines, b"".join(old), b"".join(new), tuple(runs), trailing, fits)
+    old_block = b"".join(old)
+    # A line holds at most one newline, at its end: all but the last old line must have one.
+    ended = old_block.count(b"\n")
+    fits = ended == len(old) or (ended == len(old) - 1 and not old[-1].endswith(b"\n"))
+    return Hunk(number, old_start, old_len, new_start, new_len, lines, old_block, b"".join(new), tuple(runs), trailing, fits)
 
 
 class FilePatch(NamedTuple):
@@ -142,38 +147,50 @@ def split_lines(data: bytes) -> list[bytes]:
     return lines
 
 
-def load_member(path: Path, name: str | None = None, memo: ParseMemo | None = None) -> Member:
-    """Parse ``path``; ``name`` (from the recipe) must match ``[a-z0-9_]+`` and the file name."""
+def load_member(path: Path, name: str | None = None, memo: ParseMemo | None = None, data: bytes | None = None) -> Member:
+    """Parse ``path``; ``name`` (from the recipe) must match ``[a-z0-9_]+`` and the file name.
+    ``data``: the file's bytes, when the caller has read them (a recipe has checked its
+    members' names, and so their file names)."""
     file_name = path.name
     stem = file_name[: -len(".patch")] if file_name.endswith(".patch") else file_name
     name = name if name is not None else stem
+    if data is None:
+        data = member_bytes(path, name)
+    if memo is not None:
+        return memo.member(name, path, data)
+    return parse_member(name, path, data)
+
+
+def member_bytes(path: Path, name: str) -> bytes:
+    """The bytes of member ``name``'s file, once its name and file name are checked."""
+    file_name = path.name
     if not MEMBER_NAME_RE.fullmatch(name):
         raise MemberError(f"{path}: member name {name!r} does not match [a-z0-9_]+")
-    if stem != name or not file_name.endswith(".patch"):
+    if file_name != f"{name}.patch":
         raise MemberError(f"{path}: member {name}: file name must be {name}.patch")
     try:
-        data = _read(path)
+        return read_file(path)
     except FileNotFoundError:
         raise MemberError(f"{path}: member {name}: no such member file") from None
     except OSError as exc:
         raise MemberError(f"{path}: member {name}: cannot read: {exc}") from None
-    if memo is not None:
-        return memo.member(name, path, data)
-    return parse_member(name, path, data)
 
 
 def parse_member(name: str, path: Path, data: bytes) -> Member:
     return _unpack(name, path, _parse(name, path, data))
 
 
-def _read(path: Path) -> bytes:
+def read_file(path: Path | str) -> bytes:
     """A member file's bytes, with plain os calls: pathlib's overhead was a third of a warm
-    run's member loading (500 files)."""
+    run's member loading (500 files).  The buffer is sized by fstat: asking for a large
+    fixed one costs a fresh allocation per read, which was most of this function's time."""
     fd = os.open(path, os.O_RDONLY)
     try:
         chunks = []
-        while chunk := os.read(fd, 1 << 20):
+        size = os.fstat(fd).st_size + 1
+        while chunk := os.read(fd, size):
             chunks.append(chunk)
+            size = 1 << 16  # a file that grew; the read that finds the end is cheap
         return b"".join(chunks)
     finally:
         os.close(fd)
@@ -300,7 +317,7 @@ def _parse_header(lines: list[str], where: str) -> dict[str, list[str]]:
                 raise MemberError(f"{where}: header line {number}: continuation line with no field before it")
             fields[last][-1] += "\n" + line.strip()
             continue
-        match = re.fullmatch(r"([A-Za-z][A-Za-z0-9-]*):[ \t]*(.*)", line)
+        match = HEADER_FIELD_RE.fullmatch(line)
         if not match:
             raise MemberError(f"{where}: header line {number}: expected 'Field: value', got {line[:60]!r}")
         name, value = match.group(1), match.group(2).strip()
@@ -360,7 +377,7 @@ def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[tuple]]
         if line.startswith("diff --git "):
             in_hunk = False
             hunk_no = 0
-            file_label = _git_line_path(line, f"{where}: line {index}")
+            file_label = _git_line_path(line, where, index)
             files.append([])
             file_headers.append(text)
             continue
@@ -369,7 +386,9 @@ def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[tuple]]
             if not match:
                 raise MemberError(f"{where}: line {index}: malformed hunk header {line[:80]!r}")
             # a count left out of the header is 1, as in "@@ -0,0 +1 @@"
-            old_start, old_left, new_start, new_left = (int(g) if g else 1 for g in match.groups())
+            old_start, old_count, new_start, new_count = match.groups()
+            old_start, new_start = int(old_start), int(new_start)
+            old_left, new_left = int(old_count) if old_count else 1, int(new_count) if new_count else 1
             if old_left == new_left == 0:
                 raise MemberError(f"{where}: line {index}: hunk header {line!r} has no lines")
             in_hunk = True
@@ -432,12 +451,15 @@ def _no_newline(body: list[tuple[str, bytes]]) -> None:
         body[-1] = (kind, text[:-1] if text.endswith(b"\n") else text)
 
 
-def _git_line_path(line: str, here: str) -> str:
-    """The one path a "diff --git a/P b/P" line names (renames and copies are refused)."""
+def _git_line_path(line: str, where: str, index: int) -> str:
+    """The one path a "diff --git a/P b/P" line (line ``index``) names (renames and copies are refused)."""
     rest = line[len("diff --git "):]
     half = (len(rest) - 1) // 2
     old, new = rest[:half], rest[half + 1:]
-    match = re.fullmatch(r"a/(\S+) b/(\S+)", rest)
+    if rest[half:half + 1] == " " and old.startswith("a/") and new.startswith("b/") and old[2:] == new[2:]:
+        return old[2:]  # the usual line (its halves then cannot read as a rename below)
+    here = f"{where}: line {index}"
+    match = _TWO_PATHS_RE.fullmatch(rest)
     if match and match.group(1) != match.group(2):
         raise MemberError(f"{here}: {match.group(1)} -> {match.group(2)}: renames and copies are not supported (write a deletion and a new file)")
     if rest[half:half + 1] != " " or not old.startswith("a/") or not new.startswith("b/") or old[2:] != new[2:]:
@@ -453,8 +475,8 @@ def _tree_path(raw: str, prefix: str, where: str) -> str | None:
     if not raw.startswith(prefix):
         raise MemberError(f"{where}: path {raw!r} lacks the git prefix {prefix!r}")
     path = raw[len(prefix):]
-    parts = path.split("/")
-    if not path or path.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in path:
+    wrapped = f"/{path}/"  # a part that is "", "." or "..", at either end too
+    if not path or "//" in wrapped or "/./" in wrapped or "/../" in wrapped or "\\" in path:
         raise MemberError(f"{where}: path {path!r} is outside the tree (absolute, '..', or empty parts)")
     return path
 
@@ -503,6 +525,10 @@ def _normalize(files: tuple[tuple, ...]) -> bytes:
         out.append(f"+++ {'b/' + new_path if new_path else '/dev/null'}\n".encode("utf-8", "surrogateescape"))
         for _, old_start, old_len, new_start, new_len, lines, *_ in hunks:
             out.append(hunk_header(old_start, old_len, new_start, new_len).encode() + b"\n")
+            body = b"".join([_KIND_BYTES[kind] + text for kind, text in lines])
+            if body.count(b"\n") == len(lines):  # every line ends with a newline: the usual case
+                out.append(body)
+                continue
             for kind, text in lines:
                 out.append(_KIND_BYTES[kind] + text)
                 if not text.endswith(b"\n"):

@@ -13,9 +13,10 @@ import hashlib
 import marshal
 import os
 import re
+import struct
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import unidiff
 
@@ -229,7 +230,9 @@ class ParseMemo:
     members its last run parsed, so a run reads only its own.  Only what
     parsed cleanly is remembered, and only ``save()`` writes, which the
     command calls once it has succeeded: a run that fails leaves the cache
-    as it was.
+    as it was.  The file holds marshalled dicts: this process's, and what
+    each worker process (builder.workers) parsed anew, written as the bytes
+    it sent, never loaded and dumped again.
     """
 
     KEEP_DAYS = 30  # a memo not rewritten for this long goes (temporary recipes, tests')
@@ -238,7 +241,8 @@ class ParseMemo:
         self.path = path
         self.seen: dict[bytes, tuple] | None = None  # read on first use
         self.used: dict[bytes, tuple] = {}
-        self.added = False
+        self.parsed: set[bytes] = set()  # the entries of ``used`` this run parsed anew
+        self.parts: list[bytes | bytearray] = []  # what workers parsed anew, marshalled (merge)
 
     @classmethod
     def for_recipe(cls, recipe: Recipe, root: Path | None = None) -> ParseMemo:
@@ -257,33 +261,67 @@ class ParseMemo:
                 pass  # not what this parser writes: parse again
         packed = _parse(name, path, data)
         self.used[digest] = packed
-        self.added = True
+        self.parsed.add(digest)
         return _unpack(name, path, packed)
+
+    def export(self) -> tuple[list[bytes], bytes]:
+        """Hand over what this process used, for merge() into the memo of the run that
+        forked the worker processes (builder.workers), and forget it here: the digests of
+        remembered members, and the members parsed anew, marshalled."""
+        remembered = [d for d in self.used if d not in self.parsed]
+        parsed = marshal.dumps({d: self.used[d] for d in self.parsed}) if self.parsed else b""
+        self.used, self.parsed = {}, set()
+        return remembered, parsed
+
+    def merge(self, remembered: list[bytes], parsed: bytes | bytearray) -> None:
+        seen = self._entries()
+        self.used.update((d, seen[d]) for d in remembered if d in seen)
+        if parsed:
+            self.parts.append(parsed)
 
     def _entries(self) -> dict[bytes, tuple]:
         if self.seen is None:
             self.seen = {}
             try:
-                loaded = marshal.loads(self.path.read_bytes())
-                if isinstance(loaded, dict):
-                    self.seen = loaded
-            except (OSError, ValueError, EOFError, TypeError):
-                pass  # absent or unreadable: start afresh
+                for part in _frames(self.path.read_bytes()):
+                    entries = marshal.loads(part)
+                    if not isinstance(entries, dict):
+                        raise TypeError("not a parse memo")
+                    self.seen.update(entries)
+            except (OSError, ValueError, EOFError, TypeError, struct.error):
+                self.seen = {}  # absent or unreadable: start afresh
         return self.seen
 
     def save(self) -> None:
         """Keep exactly the members this run used, if it parsed any anew."""
-        if not self.added:
+        if not (self.parsed or self.parts):
             return
         try:
-            atomic_write(self.path, marshal.dumps(self.used))
+            parts = [marshal.dumps(self.used), *self.parts]
+            atomic_write(self.path, [piece for part in parts for piece in (_FRAME.pack(len(part)), part)])
             cutoff = time.time() - self.KEEP_DAYS * 86400
             for other in os.scandir(self.path.parent):
                 if other.name.endswith(".marshal") and other.stat().st_mtime < cutoff:
                     os.unlink(other.path)
         except OSError:
             pass  # a read-only cache only costs parsing again next time
-        self.added = False
+        self.parsed.clear()
+        self.parts.clear()
+
+
+# The memo file: parts, each its length (8 bytes, little-endian) and then a marshalled dict.
+_FRAME = struct.Struct("<Q")
+
+
+def _frames(data: bytes) -> Iterator[memoryview]:
+    view, at = memoryview(data), 0
+    while at < len(data):
+        (size,) = _FRAME.unpack_from(data, at)
+        at += _FRAME.size
+        if at + size > len(data):
+            raise ValueError("truncated")
+        yield view[at : at + size]
+        at += size
 
 
 _PARSER_ID: list[bytes] = []

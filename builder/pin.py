@@ -36,13 +36,15 @@ def cache_root() -> Path:
     return Path(xdg) / "vllm-overlay" if xdg else Path.home() / ".cache" / "vllm-overlay"
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temp name beside ``path`` and rename: readers see old or new, never half."""
+def atomic_write(path: Path, data: bytes | list[bytes | bytearray]) -> None:
+    """Write to a temp name beside ``path`` and rename: readers see old or new, never half.
+    ``data``: the bytes, or pieces of them (written one after another, never joined)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as out:
-            out.write(data)
+            for piece in [data] if isinstance(data, bytes) else data:
+                out.write(piece)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

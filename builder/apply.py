@@ -65,6 +65,12 @@ class MemberResult:
     overlaps: list[Overlap] = field(default_factory=list)
     staged: dict[str, FileState] = field(default_factory=dict)
 
+    def report(self) -> list[str]:
+        """What the apply command tells of this member."""
+        name = self.member.name
+        lines = [f"{name}: {o.path} hunk {o.hunk.number} applied with offset {o.offset:+d} lines" for o in self.offsets]
+        return [*lines, f"applied {name}"]
+
 
 class HunkFailure(Exception):
     """A file patch does not apply; carries what a conflict report needs."""
@@ -145,15 +151,25 @@ class Workspace:
         return tuple(out)
 
 
+class ApplyError(InputError):
+    """A member did not apply (or its tree could not be read); ``index``: its place in the list."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index
+
+
 def apply_members(tree: Tree, members: list[Member] | tuple[Member, ...]) -> OverlaySet:
-    """Every member in order, or an InputError naming the member, file and hunk that failed."""
+    """Every member in order, or an ApplyError naming the member, file and hunk that failed."""
     work = Workspace(tree)
     results = []
-    for member in members:
+    for index, member in enumerate(members):
         try:
             result = work.try_member(member)
         except HunkFailure as failure:
-            raise InputError(f"{member.path}: member {member.name}: {failure.describe()}") from None
+            raise ApplyError(f"{member.path}: member {member.name}: {failure.describe()}", index) from None
+        except InputError as exc:  # the tree's own: a corrupt entry, an escaping symlink
+            raise ApplyError(str(exc), index) from None
         work.commit(result)
         results.append(result)
     return OverlaySet(tuple(members), work.changes(), tuple(results))

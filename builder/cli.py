@@ -17,13 +17,20 @@ from builder.errors import InputError, OverlayError
 DEFAULT_RECIPE = "recipes/v41-sm120.yaml"
 
 
-def _members(args: argparse.Namespace, recipe):  # noqa: ANN001, ANN202
-    """The recipe's members, through its parse memo (saved by main() if the command succeeds)."""
-    from builder.members import ParseMemo, load_recipe_members
+def _memo(args: argparse.Namespace, recipe):  # noqa: ANN001, ANN202
+    """The recipe's parse memo, saved by main() if the command succeeds."""
+    from builder.members import ParseMemo
 
     memo = ParseMemo.for_recipe(recipe)
     args.memos.append(memo)
-    return load_recipe_members(recipe, memo)
+    return memo
+
+
+def _members(args: argparse.Namespace, recipe):  # noqa: ANN001, ANN202
+    """The recipe's members, through its parse memo."""
+    from builder.members import load_recipe_members
+
+    return load_recipe_members(recipe, _memo(args, recipe))
 
 
 def _load(args: argparse.Namespace):  # noqa: ANN202
@@ -48,22 +55,34 @@ def cmd_key(args: argparse.Namespace) -> int:
 def cmd_apply(args: argparse.Namespace) -> int:
     from builder.apply import apply_members
     from builder.key import runtime_key
-    from builder.output import manifest, write_full_tree, write_overlay
+    from builder.members import load_recipe_members
+    from builder.output import manifest, write_full_tree
+    from builder.pin import is_fetched
+    from builder.recipe import load_recipe
+    from builder.tree import pinned_tree
+    from builder.workers import apply_to_dir
 
-    recipe, members, tree = _load(args)
-    overlay = apply_members(tree, members)
-    key = runtime_key(recipe, members)
-    data = manifest(recipe, overlay, key)
-    for result in overlay.results:
-        for o in result.offsets:
-            print(f"{result.member.name}: {o.path} hunk {o.hunk.number} applied with offset {o.offset:+d} lines", file=sys.stderr)
-        print(f"applied {result.member.name}", file=sys.stderr)
-    if args.out:
-        write_overlay(Path(args.out), overlay, data)
-        print(f"wrote {len(overlay.changes)} touched files and manifest.json to {args.out}", file=sys.stderr)
-    if args.full_tree:
-        write_full_tree(Path(args.full_tree), tree, overlay, data)
-        print(f"wrote the full patched tree to {args.full_tree}", file=sys.stderr)
+    recipe = load_recipe(args.recipe)
+    memo = _memo(args, recipe)
+    tree = None
+    if args.out:  # the usual case, split across worker processes when there are many members
+        if not is_fetched(recipe.vllm):  # a bad member is refused before 300 MB are fetched
+            load_recipe_members(recipe)
+        tree = pinned_tree(recipe.vllm)
+        applied = apply_to_dir(recipe, tree, memo, Path(args.out))
+        _progress_lines(applied.reports)
+        _progress(f"wrote {applied.files} touched files and manifest.json to {args.out}")
+        key = applied.key
+    if args.full_tree or not args.out:
+        members = load_recipe_members(recipe, memo)
+        tree = tree or pinned_tree(recipe.vllm)
+        overlay = apply_members(tree, members)
+        key = runtime_key(recipe, members)
+        if not args.out:
+            _progress_lines([line for result in overlay.results for line in result.report()])
+        if args.full_tree:
+            write_full_tree(Path(args.full_tree), tree, overlay, manifest(recipe, overlay, key))
+            _progress(f"wrote the full patched tree to {args.full_tree}")
     print(key)
     return 0
 
@@ -156,6 +175,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def _progress_lines(lines: list[str]) -> None:
+    if lines:
+        _progress("\n".join(lines))  # one write: hundreds of members are reported at once
 
 
 def build_parser() -> argparse.ArgumentParser:

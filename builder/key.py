@@ -22,13 +22,22 @@ KEY_FORMAT = 1
 
 
 def key_material(recipe: Recipe, members: Iterable[Member]) -> bytes:
-    lines = [f"vllm-overlay-runtime-key {KEY_FORMAT}", f"pin vllm {recipe.vllm.version} sha256:{recipe.vllm.sha256}"]
-    lines += [f"member {m.name} sha256:{m.digest}" for m in members]
-    return ("\n".join(lines) + "\n").encode()
+    return _material(recipe, ((m.name, m.digest) for m in members))
 
 
 def runtime_key(recipe: Recipe, members: Iterable[Member]) -> str:
-    return "rk-" + hashlib.sha256(key_material(recipe, members)).hexdigest()
+    return key_of_digests(recipe, ((m.name, m.digest) for m in members))
+
+
+def key_of_digests(recipe: Recipe, digests: Iterable[tuple[str, str]]) -> str:
+    """The key from (member name, digest of its normalized diff) pairs, in recipe order."""
+    return "rk-" + hashlib.sha256(_material(recipe, digests)).hexdigest()
+
+
+def _material(recipe: Recipe, digests: Iterable[tuple[str, str]]) -> bytes:
+    lines = [f"vllm-overlay-runtime-key {KEY_FORMAT}", f"pin vllm {recipe.vllm.version} sha256:{recipe.vllm.sha256}"]
+    lines += [f"member {name} sha256:{digest}" for name, digest in digests]
+    return ("\n".join(lines) + "\n").encode()
 
 
 def short_key(key: str) -> str:

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from builder import __version__
-from builder.apply import OverlaySet
+from builder.apply import FileChange, OverlaySet
 from builder.errors import InputError
+from builder.members import Member
 from builder.recipe import Recipe
 from builder.tree import Tree
 
@@ -24,6 +25,18 @@ MANIFEST_FORMAT = 1
 
 
 def manifest(recipe: Recipe, overlay: OverlaySet, key: str) -> dict[str, Any]:
+    return manifest_of_rows(recipe, key, [member_row(m) for m in overlay.members], [file_row(c) for c in overlay.changes])
+
+
+def member_row(member: Member) -> dict[str, Any]:
+    return {"name": member.name, "diff_sha256": member.digest, "upstream_status": member.upstream_status, "standalone": member.standalone}
+
+
+def file_row(change: FileChange) -> dict[str, Any]:
+    return {"path": change.path, "before_sha256": change.before_sha256, "after_sha256": change.after_sha256, "members": list(change.members)}
+
+
+def manifest_of_rows(recipe: Recipe, key: str, members: list[dict[str, Any]], files: list[dict[str, Any]]) -> dict[str, Any]:
     def pin(p):  # noqa: ANN001, ANN202
         return {"project": p.project, "version": p.version, "wheel": p.wheel, "sha256": p.sha256}
 
@@ -33,15 +46,13 @@ def manifest(recipe: Recipe, overlay: OverlaySet, key: str) -> dict[str, Any]:
         "recipe": recipe.name,
         "runtime_key": key,
         "pins": {"vllm": pin(recipe.vllm), "flashinfer": pin(recipe.flashinfer)},
-        "members": [
-            {"name": m.name, "diff_sha256": m.digest, "upstream_status": m.upstream_status, "standalone": m.standalone}
-            for m in overlay.members
-        ],
-        "files": [
-            {"path": c.path, "before_sha256": c.before_sha256, "after_sha256": c.after_sha256, "members": list(c.members)}
-            for c in overlay.changes
-        ],
+        "members": members,
+        "files": files,
     }
+
+
+class EncodedRow(str):
+    """A row of one of the manifest's lists, already encoded (json.dumps) by a worker process."""
 
 
 def manifest_bytes(data: dict[str, Any]) -> bytes:
@@ -50,48 +61,45 @@ def manifest_bytes(data: dict[str, Any]) -> bytes:
     indented dump never uses."""
     fields = []
     for key, value in data.items():
-        if isinstance(value, list) and value and all(isinstance(row, dict) for row in value):
-            rows = ",\n    ".join(json.dumps(row) for row in value)
+        if isinstance(value, list) and value and all(isinstance(row, (dict, EncodedRow)) for row in value):
+            rows = ",\n    ".join(row if isinstance(row, EncodedRow) else json.dumps(row) for row in value)
             fields.append(f"  {json.dumps(key)}: [\n    {rows}\n  ]")
         else:
             fields.append(f"  {json.dumps(key)}: " + json.dumps(value, indent=2).replace("\n", "\n  "))
     return ("{\n" + ",\n".join(fields) + "\n}\n").encode()
 
 
-def write_overlay(out: Path, overlay: OverlaySet, manifest_data: dict[str, Any]) -> None:
-    """Only the touched files (a deleted file is just absent) plus manifest.json."""
-    with _replacing(out) as tmp:
-        writer = _Writer(tmp)
-        for change in overlay.changes:
-            if change.after is not None:
-                writer.write(change.path, change.after, change.mode)
-        writer.write(MANIFEST, manifest_bytes(manifest_data), None)
+def write_changes(writer: Writer, changes: tuple[FileChange, ...]) -> None:
+    """The touched files (a deleted file is just absent); manifest.json is the caller's (see
+    builder.workers, which writes ``apply --out``)."""
+    for change in changes:
+        if change.after is not None:
+            writer.write(change.path, change.after, change.mode)
 
 
 def write_full_tree(out: Path, tree: Tree, overlay: OverlaySet, manifest_data: dict[str, Any]) -> None:
     changes = overlay.by_path()
-    with _replacing(out) as tmp:
-        writer = _Writer(tmp)
+    with replacing(out) as tmp:
+        writer = Writer(tmp)
         for path, data, mode in tree.walk():
             if path not in changes:
                 writer.write(path, data, mode)
-        for change in overlay.changes:
-            if change.after is not None:
-                writer.write(change.path, change.after, change.mode)
+        write_changes(writer, overlay.changes)
         writer.write(MANIFEST, manifest_bytes(manifest_data), None)
 
 
 def write_files(out: Path, files: dict[str, bytes]) -> None:
     """A directory of exactly these files (e.g. a build context), swapped in whole."""
-    with _replacing(out) as tmp:
-        writer = _Writer(tmp)
+    with replacing(out) as tmp:
+        writer = Writer(tmp)
         for name, data in files.items():
             writer.write(name, data, None)
 
 
-class _Writer:
+class Writer:
     """New files under a fresh directory, with plain os calls: hundreds of files are written
-    per apply, and pathlib's per-call overhead was a third of the time."""
+    per apply, and pathlib's per-call overhead was a third of the time.  Several writers (in
+    worker processes) may share the directory, each writing its own files."""
 
     def __init__(self, root: Path) -> None:
         self.root = str(root)
@@ -104,7 +112,11 @@ class _Writer:
             missing.append(directory)
             directory = directory.rpartition("/")[0]
         for made in reversed(missing):
-            os.mkdir(made)
+            try:
+                os.mkdir(made)
+            except FileExistsError:
+                if not os.path.isdir(made):
+                    raise
             self.made.add(made)
 
     def write(self, path: str, data: bytes, mode: int | None) -> None:
@@ -123,7 +135,7 @@ class _Writer:
             os.chmod(dest, mode)  # exactly this mode, whatever the umask
 
 
-class _replacing:
+class replacing:
     """Context manager: yield a temp dir beside ``out``; on success swap it in for ``out``."""
 
     def __init__(self, out: Path) -> None:

@@ -130,6 +130,11 @@ def pinned_wheel(pin: WheelPin, *, root: Path | None = None, progress: TextIO | 
     return dest
 
 
+def is_fetched(pin: WheelPin, *, root: Path | None = None) -> bool:
+    """Whether pinned_wheel() needs no download: a local path, or the wheel in the cache."""
+    return pin.path is not None or ((root or cache_root()) / "wheels" / pin.sha256 / pin.wheel).is_file()
+
+
 def _expect(pin: WheelPin, actual: str, where: str) -> None:
     if actual != pin.sha256:
         raise InputError(f"{pin.project}.sha256: {where} has sha256 {actual}, the pin says {pin.sha256}")

@@ -35,17 +35,19 @@ def _combinations():
         else:
             commands = ["apply", "check", "key"]
         for command in commands:
-            yield case, command
+            yield case, command, "1"
+            if command == "apply":  # the same refusal when its members are split across processes
+                yield case, command, "2"
 
 
-@pytest.mark.parametrize(("case", "command"), list(_combinations()))
-def test_bad_input(case: str, command: str, tmp_path: Path, isolated_cache: Path):
+@pytest.mark.parametrize(("case", "command", "jobs"), list(_combinations()))
+def test_bad_input(case: str, command: str, jobs: str, tmp_path: Path, isolated_cache: Path):
     work = tmp_path / case
     shutil.copytree(CORPUS / case, work, symlinks=True)
     expected = (work / "expected").read_text().strip()
     before_work, before_cache = snapshot(work), snapshot(isolated_cache)
     args = [command, "recipe.yaml"] + (["--out", "out"] if command == "apply" else [])
-    proc = run_cli(*args, cwd=work, env={"VLLM_OVERLAY_CACHE": str(isolated_cache)})
+    proc = run_cli(*args, cwd=work, env={"VLLM_OVERLAY_CACHE": str(isolated_cache), "VLLM_OVERLAY_JOBS": jobs})
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr

@@ -228,3 +228,17 @@ def test_a_bad_member_is_refused_before_the_wheel_is_fetched(tmp_path, wheel_zip
     proc = run_cli("apply", recipe_path, "--out", tmp_path / "out", env={"VLLM_OVERLAY_CACHE": str(cache), "VLLM_OVERLAY_JOBS": "2"})
     assert proc.returncode == 2 and "member m2_5: header: malformed Upstream-Status" in proc.stderr, proc.stderr
     assert list(cache.iterdir()) == [] and not (tmp_path / "out").exists()
+
+
+def test_writers_of_several_workers_share_the_output_directory(tmp_path):
+    """Each worker has its own Writer: one finds a directory another made; a file where a
+    directory must go is still an error."""
+    from builder.output import Writer
+
+    first, second = Writer(tmp_path), Writer(tmp_path)
+    first.write("vllm/config/a.py", b"a\n", None)
+    second.write("vllm/config/b.py", b"b\n", None)  # mkdir of vllm/ and vllm/config/ finds them made
+    assert sorted(p.name for p in (tmp_path / "vllm" / "config").iterdir()) == ["a.py", "b.py"]
+    first.write("vllm/plain", b"", None)
+    with pytest.raises(OSError):
+        Writer(tmp_path).write("vllm/plain/c.py", b"c\n", None)

@@ -116,7 +116,7 @@ def pinned_wheel(pin: WheelPin, *, root: Path | None = None, progress: TextIO | 
             memo.remember(pin.path, pin.sha256)  # only a verified wheel is remembered
         return pin.path
 
-    dest = root / "wheels" / pin.sha256 / pin.wheel
+    dest = _cached_wheel(pin, root)
     if dest.is_file():
         if memo.known(dest) == pin.sha256:
             return dest
@@ -132,7 +132,12 @@ def pinned_wheel(pin: WheelPin, *, root: Path | None = None, progress: TextIO | 
 
 def is_fetched(pin: WheelPin, *, root: Path | None = None) -> bool:
     """Whether pinned_wheel() needs no download: a local path, or the wheel in the cache."""
-    return pin.path is not None or ((root or cache_root()) / "wheels" / pin.sha256 / pin.wheel).is_file()
+    return pin.path is not None or _cached_wheel(pin, root or cache_root()).is_file()
+
+
+def _cached_wheel(pin: WheelPin, root: Path) -> Path:
+    """Where the cache keeps a fetched wheel: under its sha256, by its file name."""
+    return root / "wheels" / pin.sha256 / pin.wheel
 
 
 def _expect(pin: WheelPin, actual: str, where: str) -> None:

@@ -147,7 +147,7 @@ def stages(recipe_path: Path, out: Path, cache: Path) -> dict[str, float]:
     not the target)."""
     from builder.apply import apply_members
     from builder.members import ParseMemo
-    from builder.output import MANIFEST, Writer, manifest, manifest_bytes, replacing, write_changes
+    from builder.output import manifest, write_overlay
 
     times = {}
     start = time.perf_counter()
@@ -162,9 +162,7 @@ def stages(recipe_path: Path, out: Path, cache: Path) -> dict[str, float]:
     data = manifest(recipe, overlay, key)
     times["hash + manifest"] = time.perf_counter() - mark
     mark = time.perf_counter()
-    with replacing(out) as tmp:
-        write_changes(Writer(tmp), overlay.changes)
-        Writer(tmp).write(MANIFEST, manifest_bytes(data), None)
+    write_overlay(out, overlay, data)
     times["write"] = time.perf_counter() - mark
     return times
 

@@ -56,7 +56,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     from builder.apply import apply_members
     from builder.key import runtime_key
     from builder.members import load_recipe_members
-    from builder.output import manifest, write_full_tree
+    from builder.output import manifest, write_full_tree, write_overlay
     from builder.pin import is_fetched
     from builder.recipe import load_recipe
     from builder.tree import pinned_tree
@@ -64,25 +64,27 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe)
     memo = _memo(args, recipe)
-    tree = None
-    if args.out:  # the usual case, split across worker processes when there are many members
+    if args.out and not args.full_tree:  # the usual case, split across worker processes when there are many members
         if not is_fetched(recipe.vllm):  # a bad member is refused before 300 MB are fetched
             load_recipe_members(recipe)
-        tree = pinned_tree(recipe.vllm)
-        applied = apply_to_dir(recipe, tree, memo, Path(args.out))
+        applied = apply_to_dir(recipe, pinned_tree(recipe.vllm), memo, Path(args.out))
         _progress_lines(applied.reports)
         _progress(f"wrote {applied.files} touched files and manifest.json to {args.out}")
-        key = applied.key
-    if args.full_tree or not args.out:
-        members = load_recipe_members(recipe, memo)
-        tree = tree or pinned_tree(recipe.vllm)
-        overlay = apply_members(tree, members)
-        key = runtime_key(recipe, members)
-        if not args.out:
-            _progress_lines([line for result in overlay.results for line in result.report()])
-        if args.full_tree:
-            write_full_tree(Path(args.full_tree), tree, overlay, manifest(recipe, overlay, key))
-            _progress(f"wrote the full patched tree to {args.full_tree}")
+        print(applied.key)
+        return 0
+    # in this process: no output, or a full tree too (which needs every patched file's bytes here)
+    members = load_recipe_members(recipe, memo)
+    tree = pinned_tree(recipe.vllm)
+    overlay = apply_members(tree, members)
+    key = runtime_key(recipe, members)
+    data = manifest(recipe, overlay, key)
+    _progress_lines([line for result in overlay.results for line in result.report()])
+    if args.out:
+        write_overlay(Path(args.out), overlay, data)
+        _progress(f"wrote {len(overlay.changes)} touched files and manifest.json to {args.out}")
+    if args.full_tree:
+        write_full_tree(Path(args.full_tree), tree, overlay, data)
+        _progress(f"wrote the full patched tree to {args.full_tree}")
     print(key)
     return 0
 

@@ -69,9 +69,17 @@ def manifest_bytes(data: dict[str, Any]) -> bytes:
     return ("{\n" + ",\n".join(fields) + "\n}\n").encode()
 
 
+def write_overlay(out: Path, overlay: OverlaySet, manifest_data: dict[str, Any]) -> None:
+    """Only the touched files plus manifest.json, from one process's overlay set (what
+    builder.workers writes from several)."""
+    with replacing(out) as tmp:
+        writer = Writer(tmp)
+        write_changes(writer, overlay.changes)
+        writer.write(MANIFEST, manifest_bytes(manifest_data), None)
+
+
 def write_changes(writer: Writer, changes: tuple[FileChange, ...]) -> None:
-    """The touched files (a deleted file is just absent); manifest.json is the caller's (see
-    builder.workers, which writes ``apply --out``)."""
+    """The touched files (a deleted file is just absent)."""
     for change in changes:
         if change.after is not None:
             writer.write(change.path, change.after, change.mode)

@@ -115,6 +115,17 @@ def test_the_command_takes_its_worker_count_from_the_environment(tmp_path, recip
     assert not (tmp_path / "bad").exists()
 
 
+def test_out_is_the_same_when_a_full_tree_is_written_too(tmp_path, recipe_path):
+    """--out with --full-tree is made in one process (the full tree needs every patched
+    file's bytes there); its output equals the workers'."""
+    alone = run_cli("apply", recipe_path, "--out", tmp_path / "alone", env={"VLLM_OVERLAY_JOBS": "2"})
+    both = run_cli("apply", recipe_path, "--out", tmp_path / "both", "--full-tree", tmp_path / "tree")
+    assert alone.returncode == 0 and both.returncode == 0, both.stderr
+    assert alone.stdout == both.stdout
+    assert snapshot(tmp_path / "alone") == snapshot(tmp_path / "both")
+    assert (tmp_path / "tree" / "vllm" / "added_by_member.py").read_bytes() == b"ADDED = True\n"
+
+
 def break_member(recipe_path, name: str, how: str) -> None:  # noqa: ANN001
     """Make member ``name`` fail to parse or to apply, keeping its size (the partition into
     workers goes by size: it stays as it was)."""

@@ -77,8 +77,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
     tree = pinned_tree(recipe.vllm)
     overlay = apply_members(tree, members)
     key = runtime_key(recipe, members)
-    data = manifest(recipe, overlay, key)
     _progress_lines([line for result in overlay.results for line in result.report()])
+    data = manifest(recipe, overlay, key) if args.out or args.full_tree else None  # hashes every file
     if args.out:
         write_overlay(Path(args.out), overlay, data)
         _progress(f"wrote {len(overlay.changes)} touched files and manifest.json to {args.out}")

@@ -186,6 +186,7 @@ _VERSION = _string(VERSION_RE, "a version like 0.30.0 or 0.6.18.post1")
 _URL = _string(URL_RE, "an http(s):// or file:// URL without spaces or shell characters")
 _PATH = _string(re.compile(r"[^\0\n]+"), "a path")
 _REASON = _string(REASON_RE, "a short reason in plain words (letters, digits, spaces and , . : ; ( ) / + _ = -)")
+_REPOSITORY = _string(REPOSITORY_RE, "an image repository like ghcr.io/org/vllm-overlay")
 
 
 def _pin_schema(wheel_required: bool) -> dict[str, _Field]:
@@ -212,7 +213,7 @@ RECIPE_SCHEMA = _mapping(
                     "torch_cuda_arch_list": _Field(_string(ARCH_LIST_RE, "an arch list like 12.0")),
                     "flashinfer_cuda_arch_list": _Field(_string(ARCH_LIST_RE, "an arch list like 12.0a")),
                     "python": _Field(_string(PYTHON_VERSION_RE, "a Python version like 3.12")),
-                    "repository": _Field(_string(REPOSITORY_RE, "an image repository like ghcr.io/org/vllm-overlay")),
+                    "repository": _Field(_REPOSITORY),
                     "mode": _Field(_string(re.compile(r"cuda|vllm"), "cuda (install vLLM on a CUDA base) or vllm (the base has it)"), required=False),
                     "source": _Field(_URL, required=False),
                     "torch": _Field(_string(TORCH_VERSION_RE, "a torch version like 2.13.0 or 2.13.0+cu128"), required=False),
@@ -313,7 +314,7 @@ def _image(data: dict[str, Any], path: Path) -> ImageSettings:
     override = os.environ.get("VLLM_OVERLAY_REPOSITORY")
     if override:  # e.g. CI pushing to its own registry; validated like the field
         try:
-            data["repository"] = _string(REPOSITORY_RE, "an image repository like ghcr.io/org/vllm-overlay")("VLLM_OVERLAY_REPOSITORY", override)
+            data["repository"] = _REPOSITORY("VLLM_OVERLAY_REPOSITORY", override)
         except _FieldError as exc:
             raise InputError(f"environment: {exc}") from None
     data["pip"] = PipSettings(**data.get("pip", {}))

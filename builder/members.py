@@ -157,6 +157,10 @@ def load_member(path: Path, name: str | None = None, memo: ParseMemo | None = No
     name = name if name is not None else stem
     if data is None:
         data = member_bytes(path, name)
+    if os.path.exists(f"{str(path)[: -len('.patch')]}.py"):  # made from that source: it must agree
+        from builder.sources import check_generated
+
+        check_generated(path, name, data)
     if memo is not None:
         return memo.member(name, path, data)
     return parse_member(name, path, data)

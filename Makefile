@@ -1,4 +1,4 @@
-# vllm-overlay: make setup | image | check | key | overlay | dockerfile | probe | test | bench
+# vllm-overlay: make setup | image | check | key | members | overlay | dockerfile | probe | test | bench
 PYTHON ?= python3
 RECIPE ?= recipes/v41-sm120.yaml
 VO = $(PYTHON) -m builder
@@ -14,7 +14,7 @@ ifneq ($(DOCKER_HOST),)
 export DOCKER_HOST
 endif
 
-.PHONY: setup image check key overlay dockerfile probe probe-venv test bench
+.PHONY: setup image check key members overlay dockerfile probe probe-venv test bench
 
 setup:            ## fresh machine: Python deps, Debian packages, local services (needs root)
 	bash .ci/setup
@@ -27,6 +27,9 @@ check:            ## does every member apply to the unpatched pinned tree?
 
 key:              ## the recipe's runtime key
 	$(VO) key $(RECIPE)
+
+members:          ## write each member made from a source file (overlay/<name>.py) from it
+	$(VO) members $(RECIPE)
 
 overlay:          ## touched files + manifest.json in $(OUT)/overlay
 	$(VO) apply $(RECIPE) --out $(OUT)/overlay

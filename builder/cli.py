@@ -175,6 +175,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_members(args: argparse.Namespace) -> int:
+    from builder.recipe import load_recipe
+    from builder.sources import generated_members, regenerate
+
+    recipe = load_recipe(args.recipe)
+    members = generated_members(recipe)
+    if not members:
+        _progress(f"no member of {args.recipe} is made from a source file")
+    if args.check:
+        for m in members:
+            print(f"{m.name}: out of date with {m.name}.py" if m.stale else f"{m.name}: up to date")
+        return 1 if any(m.stale for m in members) else 0
+    regenerate(members)
+    for m in members:
+        print(f"{m.name}: regenerated" if m.stale else f"{m.name}: up to date")
+    return 0
+
+
 def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -210,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("image", cmd_image, "build the recipe's image (unless one with its key exists), tag it, record it")
     p.add_argument("--push", action="store_true", help="push the rk-, ik- and recipe-name tags")
     command("plan", cmd_plan, "for CI: rebuild or up-to-date, from the keys, the produced rows and the registry")
+    p = command("members", cmd_members, "write each member made from a source file (overlay/<name>.py) from it")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if any is out of date")
     return parser
 
 

@@ -58,10 +58,11 @@ def overlay_files(vllm_wheel: Path) -> dict[str, dict[str, bytes]]:
 
 
 @pytest.fixture(scope="session")
-def selftest_module(overlay_files, tmp_path_factory) -> ModuleType:
-    """The self-test module as the member writes it, imported in this (vLLM-less) interpreter."""
-    path = tmp_path_factory.mktemp("selftest") / "sm120_decode_shape_selftest.py"
-    path.write_bytes(overlay_files["selftest-only"][SELFTEST_FILE])
+def selftest_module() -> ModuleType:
+    """The self-test module, imported from its source overlay/sm120_decode_shape_selftest.py
+    in this (vLLM-less) interpreter. The member applied to the wheel is checked to equal
+    this file elsewhere (tests/test_member_source.py), so no wheel is needed here."""
+    path = Path(__file__).resolve().parent.parent / "overlay" / "sm120_decode_shape_selftest.py"
     spec = importlib.util.spec_from_file_location("sm120_decode_shape_selftest", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -5,6 +5,8 @@ VO = $(PYTHON) -m builder
 OUT ?= out
 # The rank's vllm serve argv for `make probe` (a checkpoint directory holding config.json).
 SERVE_ARGV ?= $(OUT)/checkpoint-v41 --headless -tp 4
+# The same with compressed layers all of ratio 2 (compressed pages of 64): tells the > 64-token routes apart.
+SERVE_ARGV_RATIO2 ?= $(OUT)/checkpoint-v41-ratio2 --headless -tp 4
 
 # The engine `make setup` started, unless DOCKER_HOST names another (ssh:// works too).
 ifeq ($(DOCKER_HOST),)
@@ -40,9 +42,10 @@ dockerfile:       ## the image build context in $(OUT)/context
 probe-venv:       ## the cached venv with the pinned vLLM (CPU torch) the probe runs in
 	$(PYTHON) -c 'from builder.probe_env import ensure_probe_venv; print(ensure_probe_venv())'
 
-probe:            ## the four-arm self-test table (static: no SM120 device here)
-	$(PYTHON) -c 'from tests.checkpoints import write_v41_checkpoint; write_v41_checkpoint("$(OUT)/checkpoint-v41")'
+probe:            ## the self-test's four-arm route table on two checkpoints (static: no SM120 device here)
+	$(PYTHON) -c 'from tests.checkpoints import write_v41_checkpoint as w; w("$(OUT)/checkpoint-v41"); w("$(OUT)/checkpoint-v41-ratio2", compress_ratios=(0, 2, 2))'
 	$(VO) probe $(RECIPE) --static -- $(SERVE_ARGV)
+	$(VO) probe $(RECIPE) --static -- $(SERVE_ARGV_RATIO2)
 
 test:             ## the whole suite, real components included
 	$(PYTHON) -m pytest

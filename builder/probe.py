@@ -10,6 +10,7 @@ files.  The installed files must be the pinned tree's (before hashes).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -26,6 +27,8 @@ from builder.tree import Tree
 SELFTEST_MEMBER = "sm120_decode_shape_selftest"
 SELFTEST_MODULE = "vllm.models.deepseek_v41.nvidia.sm120_decode_shape_selftest"
 TEXT_ONLY = ["--language-model-only", "--hf-overrides.vision_n_layers", "0"]
+# The self-test's kernel routes, in the order its table prints them.
+ROUTES = ("decode kernel", "prefill single", "prefill dual")
 RUN_TIMEOUT = 600
 
 
@@ -48,6 +51,19 @@ class SelftestRun:
     @property
     def passed(self) -> bool:
         return self.returncode == 0 and self.verdict.startswith("SELFTEST PASS")
+
+    @property
+    def routes(self) -> dict[str, str]:
+        """Each kernel route's status ("pass", "FAIL", "not reached") from the --json table;
+        "-" for every route when the run made no table (it failed before the routes)."""
+        lines = self.stdout.rstrip("\n").splitlines()[:-1]
+        start = next((i for i, line in enumerate(lines) if line.startswith("{")), None)
+        try:
+            table = json.loads("\n".join(lines[start:])) if start is not None else {}
+        except ValueError:
+            table = {}
+        found = table.get("routes") or {}
+        return {name: found.get(name, {}).get("status", "-") for name in ROUTES}
 
 
 @dataclass(frozen=True)
@@ -114,7 +130,7 @@ def probe(tree: Tree, members: tuple[Member, ...], python: Path, argv: list[str]
     }
     vllm_dir = installed_vllm_dir(python)
     check_installed_matches(vllm_dir, overlays["patched"])
-    flags = ["--static"] if static else []
+    flags = ["--json", "--static"] if static else ["--json"]
     arms = [(t, a) for t in ("unpatched", "patched") for a in ("as given", "text-only")]
     with tempfile.TemporaryDirectory(prefix="vllm-overlay-probe-") as tmp:
         shadows = {
@@ -130,9 +146,11 @@ def probe(tree: Tree, members: tuple[Member, ...], python: Path, argv: list[str]
 
 
 def render_arms(arms: list[Arm]) -> str:
-    rows = [("tree", "argv", "verdict", "reasons")]
+    """One row per arm: each route's status, the verdict, and its reasons."""
+    rows = [("tree", "argv", *ROUTES, "verdict", "reasons")]
     for arm in arms:
+        routes = arm.run.routes
         verdict = arm.run.verdict.split(":", 1)[0]
-        rows.append((arm.tree, arm.argv, verdict, arm.reasons))
-    width = [max(len(r[i]) for r in rows) for i in range(3)]
-    return "\n".join(f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]:<{width[2]}}  {r[3]}".rstrip() for r in rows)
+        rows.append((arm.tree, arm.argv, *(routes[name] for name in ROUTES), verdict, arm.reasons))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows).replace(" \n", "\n")

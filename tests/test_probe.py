@@ -1,46 +1,67 @@
-"""`vllm-overlay probe` on the real upstream code: the four-arm table of issue 3.
+"""`vllm-overlay probe` on the real upstream code: the four-arm table with a column per kernel route.
 
-Uses the probe venv (vllm==0.30.0 with its dependencies, CPU torch) and a
-synthetic DeepSeek-V4.1 checkpoint (config.json only) at TP 4, --static.
+Uses the probe venv (vllm==0.30.0 with its dependencies, CPU torch) and two
+synthetic DeepSeek-V4.1 checkpoints (config.json only) at TP 4, --static: the
+default one (compress_ratios 0/1/2) and one whose compressed layers are all
+ratio 2. The seed's four arms are reproduced on the decode route; the
+routes above 64 tokens tell the two checkpoints apart.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
 from tests.checkpoints import write_v41_checkpoint
 from tests.helpers import DEFAULT_RECIPE, run_cli
 
-PAGE_32 = "page_block_size 32, kernel needs 64"
-WIDTH_1152 = "(16, 1152) not in the decode dispatch set"
+PAGE_32 = "page_block_size 32 not in {64}"
+DECODE_1152 = "num_heads,topk (16, 1152) not in the set"
+EXTRA_PAGE_128 = "extra_page_block_size 128 not in {2, 64}"
+HEADER = ["tree", "argv", "decode kernel", "prefill single", "prefill dual", "verdict", "reasons"]
+
+
+def _table(probe_python, checkpoint) -> dict[tuple[str, str], dict[str, str]]:
+    proc = run_cli("probe", DEFAULT_RECIPE, "--python", probe_python, "--static", "--", checkpoint, "--headless", "-tp", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [re.split(r"\s{2,}", row.strip(), maxsplit=6) for row in proc.stdout.strip().splitlines()]
+    assert rows[0] == HEADER
+    return {(row[0], row[1]): dict(zip(HEADER[2:], row[2:] + [""] * (7 - len(row)))) for row in rows[1:]}
 
 
 @pytest.fixture(scope="module")
-def table(probe_python, tmp_path_factory) -> dict[tuple[str, str], tuple[str, str]]:
-    checkpoint = write_v41_checkpoint(tmp_path_factory.mktemp("ckpt") / "v41")
-    proc = run_cli("probe", DEFAULT_RECIPE, "--python", probe_python, "--static", "--", checkpoint, "--headless", "-tp", "4")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = proc.stdout.strip().splitlines()
-    assert rows[0].split() == ["tree", "argv", "verdict", "reasons"]
-    parsed = {}
-    for row in rows[1:]:
-        tree, rest = row.split(None, 1)
-        argv = "as given" if rest.startswith("as given") else "text-only"
-        verdict_and_reasons = rest[len(argv):].strip()
-        verdict = "SELFTEST PASS (static)" if verdict_and_reasons.startswith("SELFTEST PASS (static)") else verdict_and_reasons.split("  ")[0]
-        parsed[(tree, argv)] = (verdict, verdict_and_reasons[len(verdict):].strip())
-    return parsed
+def tables(probe_python, tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        "v41": _table(probe_python, write_v41_checkpoint(root / "v41")),
+        "ratio2": _table(probe_python, write_v41_checkpoint(root / "ratio2", compress_ratios=(0, 2, 2))),
+    }
 
 
-def test_four_arms_exactly(table):
+def test_four_arms_on_the_decode_route(tables):
+    table = tables["v41"]
     assert sorted(table) == sorted([("unpatched", "as given"), ("unpatched", "text-only"), ("patched", "as given"), ("patched", "text-only")])
-    verdict, reasons = table[("unpatched", "as given")]
-    assert verdict == "SELFTEST FAIL" and PAGE_32 in reasons and WIDTH_1152 in reasons
-    verdict, reasons = table[("unpatched", "text-only")]
-    assert verdict == "SELFTEST FAIL" and PAGE_32 in reasons and "1152" not in reasons
-    verdict, reasons = table[("patched", "as given")]
-    assert verdict == "SELFTEST FAIL" and WIDTH_1152 in reasons and "page_block_size" not in reasons
-    assert table[("patched", "text-only")] == ("SELFTEST PASS (static)", "")
+    arm = table[("unpatched", "as given")]
+    assert arm["decode kernel"] == "FAIL" and PAGE_32 in arm["reasons"] and DECODE_1152 in arm["reasons"]
+    arm = table[("unpatched", "text-only")]
+    assert arm["decode kernel"] == "FAIL" and PAGE_32 in arm["reasons"] and "1152" not in arm["reasons"]
+    arm = table[("patched", "as given")]
+    assert arm["decode kernel"] == "FAIL" and DECODE_1152 in arm["reasons"] and "page_block_size 32" not in arm["reasons"]
+    assert table[("patched", "text-only")]["decode kernel"] == "pass"
+
+
+def test_ratio_1_layers_fail_above_64_tokens(tables):
+    arm = tables["v41"][("patched", "text-only")]
+    assert (arm["decode kernel"], arm["prefill single"], arm["prefill dual"]) == ("pass", "pass", "FAIL")
+    assert arm["verdict"] == "SELFTEST FAIL"
+    assert arm["reasons"].startswith("prefill dual: " + EXTRA_PAGE_128)
+
+
+def test_ratio_2_text_only_passes_every_route(tables):
+    arm = tables["ratio2"][("patched", "text-only")]
+    assert arm == {"decode kernel": "pass", "prefill single": "pass", "prefill dual": "pass", "verdict": "SELFTEST PASS (static)", "reasons": ""}
+    assert tables["ratio2"][("patched", "as given")]["verdict"] == "SELFTEST FAIL"
 
 
 def test_probe_refuses_an_interpreter_with_another_vllm(tmp_path):

@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full-tree", metavar="DIR", help="write the complete patched tree here")
     p = command("check", cmd_check, "say of each member whether it applies to the unpatched tree")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p = command("probe", cmd_probe, "run the SM120 decode-shape self-test in four arms (unpatched/patched x as given/text-only)")
+    p = command("probe", cmd_probe, "run the SM120 kernel-route self-test in four arms (unpatched/patched x as given/text-only)")
     p.add_argument("--python", metavar="PY", help="an interpreter where the pinned vLLM is importable (default: the cached probe venv, built on first use)")
     p.add_argument("--static", action="store_true", help="judge on the static checks alone (no SM120 device here)")
     p.epilog = "The rank's vllm serve argv follows '--'."

@@ -17,7 +17,6 @@ from builder.recipe import load_recipe
 from builder.tree import pinned_tree
 from tests.helpers import DEFAULT_RECIPE, warm_cache_copy
 
-SELFTEST_FILE = "vllm/models/deepseek_v41/nvidia/sm120_decode_shape_selftest.py"
 
 
 @pytest.fixture(scope="session")

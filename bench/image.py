@@ -62,7 +62,9 @@ def vo(*args: object, env: dict[str, str]) -> tuple[float, subprocess.CompletedP
     full_env = dict(os.environ, **env)
     full_env["PYTHONPATH"] = str(ROOT)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "builder", *map(str, args)], cwd=ROOT, env=full_env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "builder", *map(str, args)], cwd=ROOT, env=full_env, capture_output=True, text=True
+    )
     took = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"bench: vllm-overlay {' '.join(map(str, args))} failed:\n{proc.stderr[-2000:]}")
@@ -72,13 +74,13 @@ def vo(*args: object, env: dict[str, str]) -> tuple[float, subprocess.CompletedP
 class _NoCacheAPI:
     """The low-level client, with every build's layer cache off."""
 
-    def __init__(self, api) -> None:  # noqa: ANN001
+    def __init__(self, api) -> None:
         self._api = api
 
-    def build(self, **kwargs):  # noqa: ANN003, ANN201
+    def build(self, **kwargs):
         return self._api.build(nocache=True, **kwargs)
 
-    def __getattr__(self, name: str):  # noqa: ANN204
+    def __getattr__(self, name: str):
         return getattr(self._api, name)
 
 
@@ -87,7 +89,7 @@ class _NoCacheClient:
         self._client = client
         self.api = _NoCacheAPI(client.api)
 
-    def __getattr__(self, name: str):  # noqa: ANN204
+    def __getattr__(self, name: str):
         return getattr(self._client, name)
 
 
@@ -126,9 +128,10 @@ def pushed_overlay_bytes(client: docker.DockerClient, registry: str, ref: str) -
     below = len(client.images.get(installed).attrs["RootFS"]["Layers"])
     name, tag = ref.removeprefix(registry + "/").rsplit(":", 1)
     request = urllib.request.Request(
-        f"http://{registry}/v2/{name}/manifests/{tag}", headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"}
+        f"http://{registry}/v2/{name}/manifests/{tag}",
+        headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"},
     )
-    with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 - the local registry
+    with urllib.request.urlopen(request, timeout=30) as response:
         pushed = json.load(response)["layers"][below:]
     return len(pushed), sum(layer["size"] for layer in pushed)
 
@@ -175,7 +178,10 @@ def main() -> None:
             env = cli_env(services, produced)
             recipe = write_recipe_copy(work / "a.yaml", services, prefix + "v41-sm120")
             changed = write_recipe_copy(
-                work / "b.yaml", services, prefix + "v41-sm120", overlay=changed_overlay(work / "overlay", f"bench {run_id}")
+                work / "b.yaml",
+                services,
+                prefix + "v41-sm120",
+                overlay=changed_overlay(work / "overlay", f"bench {run_id}"),
             )
             # the same recipe as b.yaml under another repository: the full build's tags stay apart
             full = write_recipe_copy(work / "full.yaml", services, prefix + "full", overlay=work / "overlay")
@@ -211,7 +217,9 @@ def main() -> None:
 
         print("(a) member change, rebuild against a full build (same recipe, same engine):")
         print(f"  `image` of the recipe as it is (warm cache, for reference)   {before:7.2f} s")
-        print(f"  `image` after one member's hunk changed                      {rebuild:7.2f} s   ({cached} steps from cache, {ran} run)")
+        print(
+            f"  `image` after one member's hunk changed                      {rebuild:7.2f} s   ({cached} steps from cache, {ran} run)"
+        )
         print(f"  full build, layer cache off (apply + render + build)        {full_time:7.2f} s")
         ratio = rebuild / full_time
         print(f"  ratio {ratio:6.3f}   target <= 0.1   {verdict(ratio <= 0.1)}")
@@ -226,8 +234,12 @@ def main() -> None:
         print(f"  as pushed: {pushed_layers} layers, {pushed_bytes:,d} B compressed (tar headers included)")
         print()
         print(f"(c) `plan` when nothing changed (median of {PLAN_RUNS} runs):")
-        print(f"  from the produced row    {plan_row:6.3f} s   target < 0.5 s   {verdict(plan_row < 0.5)}   [{said_row[:60]}]")
-        print(f"  from the registry        {plan_registry:6.3f} s   target < 0.5 s   {verdict(plan_registry < 0.5)}   [{said_registry[:60]}]")
+        print(
+            f"  from the produced row    {plan_row:6.3f} s   target < 0.5 s   {verdict(plan_row < 0.5)}   [{said_row[:60]}]"
+        )
+        print(
+            f"  from the registry        {plan_registry:6.3f} s   target < 0.5 s   {verdict(plan_registry < 0.5)}   [{said_registry[:60]}]"
+        )
         print(f"  (the push between them, for reference: {push_time:.2f} s)")
         print(
             f"  engine events during the {2 * PLAN_RUNS} plans (any client's): {len(events)} container creations "

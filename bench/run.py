@@ -80,7 +80,9 @@ def bench_check(wheel: Path) -> None:
     print(f"  warm  {warm:6.3f} s   target <= 0.5 s   {verdict(warm <= 0.5)}")
     print(f"  cold  {cold:6.3f} s   target <= 2 s     {verdict(cold <= 2)}")
     print(f"  unzip whole wheel + git apply --check: {theirs:6.3f} s")
-    print(f"  ratio warm/theirs {warm / theirs:5.3f}   cold/theirs {cold / theirs:5.3f}   target <= 0.2   {verdict(warm / theirs <= 0.2)}")
+    print(
+        f"  ratio warm/theirs {warm / theirs:5.3f}   cold/theirs {cold / theirs:5.3f}   target <= 0.2   {verdict(warm / theirs <= 0.2)}"
+    )
 
 
 def generate_members(wheel: Path, count: int, work: Path) -> tuple[Path, list[str]]:
@@ -134,8 +136,13 @@ print(elapsed if code == 0 else sink.getvalue())
 
 
 def fresh_interpreter(recipe_path: Path, out: Path, cache: Path) -> float:
-    proc = subprocess.run([sys.executable, "-c", FRESH, "apply", str(recipe_path), "--out", str(out)],
-                          env=dict(ENV, VLLM_OVERLAY_CACHE=str(cache)), capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", FRESH, "apply", str(recipe_path), "--out", str(out)],
+        env=dict(ENV, VLLM_OVERLAY_CACHE=str(cache)),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     try:
         return float(proc.stdout)
     except ValueError:
@@ -228,8 +235,11 @@ def bench_500(wheel: Path) -> None:
                 runs["floor"].append(floor_time(recipe, names, work / f"floor{i}"))
             by_stage = [stages(recipe, work / f"stages{i}", cache) for i in range(RUNS)]
             fresh = statistics.median(fresh_interpreter(recipe, work / f"fresh{i}", cache) for i in range(5))
-            command = wall([sys.executable, "-m", "builder", "apply", str(recipe), "--out", str(work / "cli-out")],
-                           env=dict(ENV, VLLM_OVERLAY_CACHE=str(cache)), runs=5)
+            command = wall(
+                [sys.executable, "-m", "builder", "apply", str(recipe), "--out", str(work / "cli-out")],
+                env=dict(ENV, VLLM_OVERLAY_CACHE=str(cache)),
+                runs=5,
+            )
             key_times = []
             for _ in range(5):
                 start = time.perf_counter()
@@ -240,20 +250,38 @@ def bench_500(wheel: Path) -> None:
             results[count]["stages"] = {stage: statistics.median(t[stage] for t in by_stage) for stage in by_stage[0]}
     r = results[500]
     git = r["git"]
-    print(f"500 generated members over 500 real files (medians of {RUNS} interleaved runs; outputs in {scratch or tempfile.gettempdir()}):")
+    print(
+        f"500 generated members over 500 real files (medians of {RUNS} interleaved runs; outputs in {scratch or tempfile.gettempdir()}):"
+    )
     print(f"  git apply of the same 500 patches on an unpacked tree     {git:6.3f} s")
-    print(f"  vllm-overlay apply, members parsed before (parse memo)    {r['warm']:6.3f} s   ratio {r['warm'] / git:5.2f}   target <= 2   {verdict(r['warm'] / git <= 2)}")
-    print(f"      in {worker_count(500)} worker processes; the same work in one process, stage by stage: "
-          + ", ".join(f"{stage} {t * 1000:.0f} ms" for stage, t in r["stages"].items()))
-    print(f"  vllm-overlay apply, first run (no parse memo)             {r['first']:6.3f} s   ratio {r['first'] / git:5.2f}   target <= 2   {verdict(r['first'] / git <= 2)}")
+    print(
+        f"  vllm-overlay apply, members parsed before (parse memo)    {r['warm']:6.3f} s   ratio {r['warm'] / git:5.2f}   target <= 2   {verdict(r['warm'] / git <= 2)}"
+    )
+    print(
+        f"      in {worker_count(500)} worker processes; the same work in one process, stage by stage: "
+        + ", ".join(f"{stage} {t * 1000:.0f} ms" for stage, t in r["stages"].items())
+    )
+    print(
+        f"  vllm-overlay apply, first run (no parse memo)             {r['first']:6.3f} s   ratio {r['first'] / git:5.2f}   target <= 2   {verdict(r['first'] / git <= 2)}"
+    )
     print("  (both timed in-process, in an interpreter that has run the command before; for reference, warm:)")
-    print(f"  one run in a new interpreter, the builder imported before the clock starts  {r['fresh']:6.3f} s   ratio {r['fresh'] / git:5.2f}")
-    print(f"  the whole command, interpreter start-up and imports included               {r['command']:6.3f} s   ratio {r['command'] / git:5.2f}")
-    print(f"  for scale: inflating the 500 entries from the wheel, hashing and writing them alone  {r['floor']:6.3f} s   ratio {r['floor'] / git:5.2f}")
+    print(
+        f"  one run in a new interpreter, the builder imported before the clock starts  {r['fresh']:6.3f} s   ratio {r['fresh'] / git:5.2f}"
+    )
+    print(
+        f"  the whole command, interpreter start-up and imports included               {r['command']:6.3f} s   ratio {r['command'] / git:5.2f}"
+    )
+    print(
+        f"  for scale: inflating the 500 entries from the wheel, hashing and writing them alone  {r['floor']:6.3f} s   ratio {r['floor'] / git:5.2f}"
+    )
     for kind in ("warm", "first"):
         scale = results[500][kind] / results[50][kind]
-        print(f"  time(500)/time(50), {kind:5s}  {scale:5.2f}   ({results[50][kind]:.3f} s for 50)   target <= 12   {verdict(scale <= 12)}")
-    print(f"  key of 500 members (parse, no memo, + hash)  {r['key'] * 1000:6.1f} ms   target < 100 ms   {verdict(r['key'] < 0.1)}")
+        print(
+            f"  time(500)/time(50), {kind:5s}  {scale:5.2f}   ({results[50][kind]:.3f} s for 50)   target <= 12   {verdict(scale <= 12)}"
+        )
+    print(
+        f"  key of 500 members (parse, no memo, + hash)  {r['key'] * 1000:6.1f} ms   target < 100 ms   {verdict(r['key'] < 0.1)}"
+    )
 
 
 def main() -> None:

@@ -128,7 +128,9 @@ class Workspace:
         for fp in member.files:
             why = self.tree.check_writable(fp.path)
             if why:
-                raise InputError(f"{member.path}: member {member.name}: {fp.path}: writing through a symlink that leaves the tree ({why})")
+                raise InputError(
+                    f"{member.path}: member {member.name}: {fp.path}: writing through a symlink that leaves the tree ({why})"
+                )
 
     def try_member(self, member: Member) -> MemberResult:
         """Apply ``member`` to copies of the current state; raise HunkFailure, commit nothing."""
@@ -346,5 +348,7 @@ def _mismatch(lines: list[bytes], old: list[bytes], anchor: int) -> str:
         got = have[i] if i < len(have) else None
         if got != want:
             found = "end of file" if got is None else repr(got.decode("utf-8", "replace"))
-            return f"does not apply at line {anchor + i + 1}: expected {want.decode('utf-8', 'replace')!r}, found {found}"
+            return (
+                f"does not apply at line {anchor + i + 1}: expected {want.decode('utf-8', 'replace')!r}, found {found}"
+            )
     return f"does not apply at line {anchor + 1}: its context is there but not at the start or end of the file as the hunk requires"

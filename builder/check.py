@@ -79,7 +79,9 @@ def _check_one(work: Workspace, member: Member) -> tuple[MemberCheck, MemberResu
         except HunkFailure:
             return MemberCheck(member.name, CONFLICT, conflict=_conflict(work, failure)), None
         return MemberCheck(member.name, ALREADY), None
-    offsets = [{"file": o.path, "hunk": o.hunk.number, "header": o.hunk.header, "offset": o.offset} for o in result.offsets]
+    offsets = [
+        {"file": o.path, "hunk": o.hunk.number, "header": o.hunk.header, "offset": o.offset} for o in result.offsets
+    ]
     return MemberCheck(member.name, OFFSETS if offsets else APPLIED, offsets=offsets), result
 
 
@@ -131,7 +133,9 @@ def render_table(report: CheckReport) -> str:
     for c in report.members + report.standalone:
         if c.conflict and "expected" in c.conflict:
             out.append("")
-            out.append(f"{c.name}: conflict in {c.conflict['file']} hunk {c.conflict['hunk']} {c.conflict['header']} at line {c.conflict['line']}")
+            out.append(
+                f"{c.name}: conflict in {c.conflict['file']} hunk {c.conflict['hunk']} {c.conflict['header']} at line {c.conflict['line']}"
+            )
             for want, got in _pairs(c.conflict["expected"], c.conflict["found"]):
                 mark = " " if want == got else "!"
                 out.append(f"  {mark} expected: {want.rstrip()!r:<60} tree has: {got.rstrip()!r}")
@@ -145,7 +149,10 @@ def render_table(report: CheckReport) -> str:
         out.append("")
         overlaps = shared["overlapping_hunks"]
         verdict = (
-            "; ".join(f"{o['member']} hunk {o['hunk']} reads lines written by {', '.join(o['reads_lines_of'])}" for o in overlaps)
+            "; ".join(
+                f"{o['member']} hunk {o['hunk']} reads lines written by {', '.join(o['reads_lines_of'])}"
+                for o in overlaps
+            )
             if overlaps
             else "hunks do not overlap"
         )

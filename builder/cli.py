@@ -17,7 +17,7 @@ from builder.errors import InputError, OverlayError
 DEFAULT_RECIPE = "recipes/v41-sm120.yaml"
 
 
-def _memo(args: argparse.Namespace, recipe):  # noqa: ANN001, ANN202
+def _memo(args: argparse.Namespace, recipe):
     """The recipe's parse memo, saved by main() if the command succeeds."""
     from builder.members import ParseMemo
 
@@ -26,14 +26,14 @@ def _memo(args: argparse.Namespace, recipe):  # noqa: ANN001, ANN202
     return memo
 
 
-def _members(args: argparse.Namespace, recipe):  # noqa: ANN001, ANN202
+def _members(args: argparse.Namespace, recipe):
     """The recipe's members, through its parse memo."""
     from builder.members import load_recipe_members
 
     return load_recipe_members(recipe, _memo(args, recipe))
 
 
-def _load(args: argparse.Namespace):  # noqa: ANN202
+def _load(args: argparse.Namespace):
     from builder.recipe import load_recipe
     from builder.tree import pinned_tree
 
@@ -111,7 +111,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
-def _image_inputs(args: argparse.Namespace):  # noqa: ANN202
+def _image_inputs(args: argparse.Namespace):
     from builder.apply import apply_members
     from builder.key import runtime_key
     from builder.output import manifest
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-overlay", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, func, help: str) -> argparse.ArgumentParser:  # noqa: ANN001, A002
+    def command(name: str, func, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
         p.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE, help=f"recipe YAML (default {DEFAULT_RECIPE})")
         p.set_defaults(func=func)
@@ -219,11 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full-tree", metavar="DIR", help="write the complete patched tree here")
     p = command("check", cmd_check, "say of each member whether it applies to the unpatched tree")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p = command("probe", cmd_probe, "run the SM120 kernel-route self-test in four arms (unpatched/patched x as given/text-only)")
-    p.add_argument("--python", metavar="PY", help="an interpreter where the pinned vLLM is importable (default: the cached probe venv, built on first use)")
+    p = command(
+        "probe", cmd_probe, "run the SM120 kernel-route self-test in four arms (unpatched/patched x as given/text-only)"
+    )
+    p.add_argument(
+        "--python",
+        metavar="PY",
+        help="an interpreter where the pinned vLLM is importable (default: the cached probe venv, built on first use)",
+    )
     p.add_argument("--static", action="store_true", help="judge on the static checks alone (no SM120 device here)")
     p.epilog = "The rank's vllm serve argv follows '--'."
-    p = command("dockerfile", cmd_dockerfile, "write the image build context (Dockerfile, checks, manifest, overlay files)")
+    p = command(
+        "dockerfile", cmd_dockerfile, "write the image build context (Dockerfile, checks, manifest, overlay files)"
+    )
     p.add_argument("--out", metavar="DIR", required=True, help="the context directory")
     p = command("image", cmd_image, "build the recipe's image (unless one with its key exists), tag it, record it")
     p.add_argument("--push", action="store_true", help="push the rk-, ik- and recipe-name tags")

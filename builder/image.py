@@ -14,8 +14,9 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from builder import __version__
 from builder.errors import InputError, OverlayError
@@ -31,7 +32,7 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def docker_client():  # noqa: ANN201 - docker.DockerClient, imported lazily (plan and check never need it)
+def docker_client():
     import docker
     from docker.errors import DockerException
 
@@ -60,17 +61,19 @@ class Tags:
         return [self.runtime, self.image, self.moving]
 
 
-def tag_all(image, tags: Tags) -> None:  # noqa: ANN001 - a docker Image
+def tag_all(image, tags: Tags) -> None:
     for ref in tags.all():
         image.tag(*ref.rsplit(":", 1))
 
 
 def tags_for(recipe: Recipe, rendered: RenderedImage) -> Tags:
     repo = recipe.image.repository
-    return Tags(f"{repo}:rk-{short_key(rendered.runtime_key)}", f"{repo}:ik-{rendered.short_image_key}", f"{repo}:{recipe.name}")
+    return Tags(
+        f"{repo}:rk-{short_key(rendered.runtime_key)}", f"{repo}:ik-{rendered.short_image_key}", f"{repo}:{recipe.name}"
+    )
 
 
-def local_image(client, image_key: str):  # noqa: ANN001, ANN201
+def local_image(client, image_key: str):
     """The image this builder made for the key.
 
     An image built FROM it inherits its labels, so the label alone does not
@@ -82,7 +85,7 @@ def local_image(client, image_key: str):  # noqa: ANN001, ANN201
     return None
 
 
-def in_registry(client, reference: str) -> str | None:  # noqa: ANN001
+def in_registry(client, reference: str) -> str | None:
     """The digest of ``reference`` in its registry, or None when the tag is not there."""
     from docker.errors import APIError, NotFound
 
@@ -100,7 +103,7 @@ class RegistryUnreachable(OverlayError):
     """The registry did not answer: whether the tag is there is unknown."""
 
 
-def build(client, recipe: Recipe, rendered: RenderedImage, files: dict[str, bytes], progress: Progress = _stderr):  # noqa: ANN001, ANN201
+def build(client, recipe: Recipe, rendered: RenderedImage, files: dict[str, bytes], progress: Progress = _stderr):
     """Build the context, stream its steps, then add the labels only the built image can tell."""
     tags = tags_for(recipe, rendered)
     image_id = _build(client, context_tar(files), tags.runtime, progress)
@@ -116,15 +119,21 @@ def build(client, recipe: Recipe, rendered: RenderedImage, files: dict[str, byte
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def _build(client, context: bytes, tag: str, progress: Progress) -> str:  # noqa: ANN001
+def _build(client, context: bytes, tag: str, progress: Progress) -> str:
     """Run one build, streaming its steps; a failure is one line saying what the failing step said."""
     from docker.errors import APIError
 
     image_id, said = None, None
     try:
         stream = client.api.build(
-            fileobj=io.BytesIO(context), custom_context=True, tag=tag, rm=True, forcerm=True,
-            network_mode="host", decode=True, pull=False,
+            fileobj=io.BytesIO(context),
+            custom_context=True,
+            tag=tag,
+            rm=True,
+            forcerm=True,
+            network_mode="host",
+            decode=True,
+            pull=False,
         )
         for chunk in stream:
             if "stream" in chunk:
@@ -150,13 +159,15 @@ def _build(client, context: bytes, tag: str, progress: Progress) -> str:  # noqa
     return image_id
 
 
-def _report(client, image_id: str, python: str) -> dict[str, str]:  # noqa: ANN001
+def _report(client, image_id: str, python: str) -> dict[str, str]:
     """torch's CUDA version and nvcc's, read by running the built image once (no network)."""
-    out = client.containers.run(image_id, [python, "/opt/vllm-overlay/image_checks.py", "report"], remove=True, network_mode="none")
+    out = client.containers.run(
+        image_id, [python, "/opt/vllm-overlay/image_checks.py", "report"], remove=True, network_mode="none"
+    )
     return json.loads(out.decode().strip().splitlines()[-1])
 
 
-def push(client, refs: list[str], progress: Progress = _stderr) -> str | None:  # noqa: ANN001
+def push(client, refs: list[str], progress: Progress = _stderr) -> str | None:
     """Push each reference; return the registry digest of the pushed image."""
     for ref in refs:
         repo, tag = ref.rsplit(":", 1)

@@ -13,7 +13,7 @@ Only inputs go in: never a timestamp, a path on this machine or header prose.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable
+from collections.abc import Iterable
 
 from builder.members import Member
 from builder.recipe import Recipe

@@ -15,8 +15,9 @@ import os
 import re
 import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import unidiff
 
@@ -25,16 +26,40 @@ from builder.pin import atomic_write, cache_root
 from builder.recipe import MEMBER_NAME_RE, Recipe
 
 # DEP-3 fields plus the Yocto Upstream-Status and our Standalone flag.
-SINGLE_FIELDS = {"Description", "Origin", "Author", "Forwarded", "Applied-Upstream", "Last-Update", "Upstream-Status", "Standalone"}
+SINGLE_FIELDS = {
+    "Description",
+    "Origin",
+    "Author",
+    "Forwarded",
+    "Applied-Upstream",
+    "Last-Update",
+    "Upstream-Status",
+    "Standalone",
+}
 REPEATABLE_FIELDS = {"Bug", "Reviewed-by"}
-UPSTREAM_STATUS_RE = re.compile(r"Pending|Backport|Denied|Inactive-Upstream|Submitted \[[^\]\s][^\]]*\]|Inappropriate \[[^\]\s][^\]]*\]")
+UPSTREAM_STATUS_RE = re.compile(
+    r"Pending|Backport|Denied|Inactive-Upstream|Submitted \[[^\]\s][^\]]*\]|Inappropriate \[[^\]\s][^\]]*\]"
+)
 DATE_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
 HEADER_FIELD_RE = re.compile(r"([A-Za-z][A-Za-z0-9-]*):[ \t]*(.*)")
 _TWO_PATHS_RE = re.compile(r"a/(\S+) b/(\S+)")
 HUNK_HEADER_RE = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@(?: .*)?")
 # Extended header lines git writes between "diff --git" and the first hunk.
-GIT_HEADER_PREFIXES = ("index ", "--- ", "+++ ", "new file mode ", "deleted file mode ", "old mode ", "new mode ",
-                       "similarity index ", "dissimilarity index ", "rename from ", "rename to ", "copy from ", "copy to ")
+GIT_HEADER_PREFIXES = (
+    "index ",
+    "--- ",
+    "+++ ",
+    "new file mode ",
+    "deleted file mode ",
+    "old mode ",
+    "new mode ",
+    "similarity index ",
+    "dissimilarity index ",
+    "rename from ",
+    "rename to ",
+    "copy from ",
+    "copy to ",
+)
 UNSUPPORTED_HEADERS = {"rename from ": "a rename", "copy from ": "a copy", "old mode ": "a mode change"}
 
 
@@ -68,7 +93,14 @@ class Hunk(NamedTuple):
 
     def reversed(self) -> Hunk:
         swap = {" ": " ", "-": "+", "+": "-"}
-        return hunk(self.number, self.new_start, self.new_len, self.old_start, self.old_len, tuple((swap[k], t) for k, t in self.lines))
+        return hunk(
+            self.number,
+            self.new_start,
+            self.new_len,
+            self.old_start,
+            self.old_len,
+            tuple((swap[k], t) for k, t in self.lines),
+        )
 
 
 def hunk_header(old_start: int, old_len: int, new_start: int, new_len: int) -> str:
@@ -76,7 +108,9 @@ def hunk_header(old_start: int, old_len: int, new_start: int, new_len: int) -> s
     return f"@@ -{old_start},{old_len} +{new_start},{new_len} @@"
 
 
-def hunk(number: int, old_start: int, old_len: int, new_start: int, new_len: int, lines: tuple[tuple[str, bytes], ...]) -> Hunk:
+def hunk(
+    number: int, old_start: int, old_len: int, new_start: int, new_len: int, lines: tuple[tuple[str, bytes], ...]
+) -> Hunk:
     old: list[bytes] = []
     new: list[bytes] = []
     runs: list[tuple[int, int]] = []
@@ -97,7 +131,9 @@ def hunk(number: int, old_start: int, old_len: int, new_start: int, new_len: int
     # A line holds at most one newline, at its end: all but the last old line must have one.
     ended = old_block.count(b"\n")
     fits = ended == len(old) or (ended == len(old) - 1 and not old[-1].endswith(b"\n"))
-    return Hunk(number, old_start, old_len, new_start, new_len, lines, old_block, b"".join(new), tuple(runs), trailing, fits)
+    return Hunk(
+        number, old_start, old_len, new_start, new_len, lines, old_block, b"".join(new), tuple(runs), trailing, fits
+    )
 
 
 class FilePatch(NamedTuple):
@@ -148,7 +184,9 @@ def split_lines(data: bytes) -> list[bytes]:
     return lines
 
 
-def load_member(path: Path, name: str | None = None, memo: ParseMemo | None = None, data: bytes | None = None) -> Member:
+def load_member(
+    path: Path, name: str | None = None, memo: ParseMemo | None = None, data: bytes | None = None
+) -> Member:
     """Parse ``path``; ``name`` (from the recipe) must match ``[a-z0-9_]+`` and the file name.
     ``data``: the file's bytes, when the caller has read them (a recipe has checked its
     members' names, and so their file names)."""
@@ -222,7 +260,13 @@ def _parse(name: str, path: Path, data: bytes) -> Packed:
 def _unpack(name: str, path: Path, packed: Packed) -> Member:
     fields, files, digest = packed
     make = Hunk._make
-    return Member(name, path, fields, tuple(FilePatch(old, new, mode, tuple(map(make, hunks))) for old, new, mode, hunks in files), digest)
+    return Member(
+        name,
+        path,
+        fields,
+        tuple(FilePatch(old, new, mode, tuple(map(make, hunks))) for old, new, mode, hunks in files),
+        digest,
+    )
 
 
 class ParseMemo:
@@ -440,7 +484,9 @@ def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[tuple]]
             # the body: exactly as many lines as the header counts
             while old_left or new_left:
                 if index >= count:
-                    raise MemberError(f"{where}: line {count}: hunk {hunk_no} of {file_label} is shorter than its header says")
+                    raise MemberError(
+                        f"{where}: line {count}: hunk {hunk_no} of {file_label} is shorter than its header says"
+                    )
                 raw = lines[index]
                 index += 1
                 kind = raw[:1]
@@ -462,24 +508,34 @@ def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[tuple]]
                     _no_newline(body)
                     continue
                 else:
-                    raise MemberError(f"{where}: line {index}: hunk {hunk_no} of {file_label} is shorter than its header says")
+                    raise MemberError(
+                        f"{where}: line {index}: hunk {hunk_no} of {file_label} is shorter than its header says"
+                    )
                 if old_left < 0 or new_left < 0:
-                    raise MemberError(f"{where}: line {index}: hunk {hunk_no} of {file_label} has more lines than its header says")
+                    raise MemberError(
+                        f"{where}: line {index}: hunk {hunk_no} of {file_label} has more lines than its header says"
+                    )
             continue
         if in_hunk:
-            raise MemberError(f"{where}: line {index}: hunk {hunk_no} of {file_label} has more lines than its header says")
+            raise MemberError(
+                f"{where}: line {index}: hunk {hunk_no} of {file_label} has more lines than its header says"
+            )
         if line.startswith(("--- ", "+++ ")):
             side = "a/" if line[0] == "-" else "b/"
             named = line[4:].split("\t")[0]
             if named not in (side + file_label, "/dev/null"):
-                raise MemberError(f"{where}: line {index}: {line[:4]}{named!r} does not match the 'diff --git' line (expected {side}{file_label} or /dev/null)")
+                raise MemberError(
+                    f"{where}: line {index}: {line[:4]}{named!r} does not match the 'diff --git' line (expected {side}{file_label} or /dev/null)"
+                )
             file_headers.append(text)
             continue
         if line.startswith("GIT binary patch") or line.startswith("Binary files "):
             raise MemberError(f"{where}: line {index}: {file_label}: binary diffs are not supported")
         for prefix, what in UNSUPPORTED_HEADERS.items():
             if line.startswith(prefix):
-                raise MemberError(f"{where}: line {index}: {file_label}: {what} is not supported (write a deletion and a new file)")
+                raise MemberError(
+                    f"{where}: line {index}: {file_label}: {what} is not supported (write a deletion and a new file)"
+                )
         if not line.startswith(GIT_HEADER_PREFIXES):
             raise MemberError(f"{where}: line {index}: unexpected line in the header of {file_label}: {line[:60]!r}")
         file_headers.append(text)
@@ -495,16 +551,18 @@ def _no_newline(body: list[tuple[str, bytes]]) -> None:
 
 def _git_line_path(line: str, where: str, index: int) -> str:
     """The one path a "diff --git a/P b/P" line (line ``index``) names (renames and copies are refused)."""
-    rest = line[len("diff --git "):]
+    rest = line[len("diff --git ") :]
     half = (len(rest) - 1) // 2
-    old, new = rest[:half], rest[half + 1:]
-    if rest[half:half + 1] == " " and old.startswith("a/") and new.startswith("b/") and old[2:] == new[2:]:
+    old, new = rest[:half], rest[half + 1 :]
+    if rest[half : half + 1] == " " and old.startswith("a/") and new.startswith("b/") and old[2:] == new[2:]:
         return old[2:]  # the usual line (its halves then cannot read as a rename below)
     here = f"{where}: line {index}"
     match = _TWO_PATHS_RE.fullmatch(rest)
     if match and match.group(1) != match.group(2):
-        raise MemberError(f"{here}: {match.group(1)} -> {match.group(2)}: renames and copies are not supported (write a deletion and a new file)")
-    if rest[half:half + 1] != " " or not old.startswith("a/") or not new.startswith("b/") or old[2:] != new[2:]:
+        raise MemberError(
+            f"{here}: {match.group(1)} -> {match.group(2)}: renames and copies are not supported (write a deletion and a new file)"
+        )
+    if rest[half : half + 1] != " " or not old.startswith("a/") or not new.startswith("b/") or old[2:] != new[2:]:
         raise MemberError(f"{here}: expected 'diff --git a/PATH b/PATH' naming one path, got {line[:80]!r}")
     return old[2:]
 
@@ -516,7 +574,7 @@ def _tree_path(raw: str, prefix: str, where: str) -> str | None:
         raise MemberError(f"{where}: path {raw!r} contains a NUL byte")
     if not raw.startswith(prefix):
         raise MemberError(f"{where}: path {raw!r} lacks the git prefix {prefix!r}")
-    path = raw[len(prefix):]
+    path = raw[len(prefix) :]
     wrapped = f"/{path}/"  # a part that is "", "." or "..", at either end too
     if not path or "//" in wrapped or "/./" in wrapped or "/../" in wrapped or "\\" in path:
         raise MemberError(f"{where}: path {path!r} is outside the tree (absolute, '..', or empty parts)")
@@ -537,7 +595,9 @@ def _file_patches(file_headers: list[str], hunks: list[list[tuple]], where: str)
         info = [str(line) for line in patched.patch_info]
         new_mode = next((l.split()[-1] for l in info if l.startswith("new file mode ")), None)
         if new_mode is not None and new_mode not in ("100644", "100755"):
-            raise MemberError(f"{where}: {patched.path}: file mode {new_mode} is not supported (symlinks and submodules are refused)")
+            raise MemberError(
+                f"{where}: {patched.path}: file mode {new_mode} is not supported (symlinks and submodules are refused)"
+            )
         old_path = _tree_path(patched.source_file, "a/", where)
         new_path = _tree_path(patched.target_file, "b/", where)
         if old_path is None and new_path is None:

@@ -25,19 +25,33 @@ MANIFEST_FORMAT = 1
 
 
 def manifest(recipe: Recipe, overlay: OverlaySet, key: str) -> dict[str, Any]:
-    return manifest_of_rows(recipe, key, [member_row(m) for m in overlay.members], [file_row(c) for c in overlay.changes])
+    return manifest_of_rows(
+        recipe, key, [member_row(m) for m in overlay.members], [file_row(c) for c in overlay.changes]
+    )
 
 
 def member_row(member: Member) -> dict[str, Any]:
-    return {"name": member.name, "diff_sha256": member.digest, "upstream_status": member.upstream_status, "standalone": member.standalone}
+    return {
+        "name": member.name,
+        "diff_sha256": member.digest,
+        "upstream_status": member.upstream_status,
+        "standalone": member.standalone,
+    }
 
 
 def file_row(change: FileChange) -> dict[str, Any]:
-    return {"path": change.path, "before_sha256": change.before_sha256, "after_sha256": change.after_sha256, "members": list(change.members)}
+    return {
+        "path": change.path,
+        "before_sha256": change.before_sha256,
+        "after_sha256": change.after_sha256,
+        "members": list(change.members),
+    }
 
 
-def manifest_of_rows(recipe: Recipe, key: str, members: list[dict[str, Any]], files: list[dict[str, Any]]) -> dict[str, Any]:
-    def pin(p):  # noqa: ANN001, ANN202
+def manifest_of_rows(
+    recipe: Recipe, key: str, members: list[dict[str, Any]], files: list[dict[str, Any]]
+) -> dict[str, Any]:
+    def pin(p):
         return {"project": p.project, "version": p.version, "wheel": p.wheel, "sha256": p.sha256}
 
     return {
@@ -157,7 +171,7 @@ class replacing:
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         return self.tmp
 
-    def __exit__(self, exc_type, exc, tb) -> None:  # noqa: ANN001
+    def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return

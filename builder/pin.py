@@ -18,8 +18,9 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TextIO
 
 from builder.errors import InputError, OverlayError
 from builder.recipe import WheelPin

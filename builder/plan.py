@@ -59,4 +59,6 @@ def write_github_output(result: Plan) -> None:
     path = os.environ.get("GITHUB_OUTPUT")
     if path:
         with open(path, "a", encoding="utf-8") as out:
-            out.write(f"rebuild={'true' if result.rebuild else 'false'}\nkey={result.runtime_key}\nimage-key={result.image_key}\n")
+            out.write(
+                f"rebuild={'true' if result.rebuild else 'false'}\nkey={result.runtime_key}\nimage-key={result.image_key}\n"
+            )

@@ -113,7 +113,12 @@ def run_selftest(python: Path, tree: Path, args: list[str], timeout: int = RUN_T
     )
     try:
         proc = subprocess.run(
-            [str(python), "-m", SELFTEST_MODULE, *args], capture_output=True, text=True, env=env, cwd=tree, timeout=timeout
+            [str(python), "-m", SELFTEST_MODULE, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tree,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired:
         return SelftestRun(124, "", f"timed out after {timeout} s")
@@ -139,7 +144,9 @@ def probe(tree: Tree, members: tuple[Member, ...], python: Path, argv: list[str]
         }
         with ThreadPoolExecutor(max_workers=2) as pool:  # each run is ~20 s of one core
             futures = [
-                pool.submit(run_selftest, python, shadows[t], [*flags, "--", *argv, *(TEXT_ONLY if a == "text-only" else [])])
+                pool.submit(
+                    run_selftest, python, shadows[t], [*flags, "--", *argv, *(TEXT_ONLY if a == "text-only" else [])]
+                )
                 for t, a in arms
             ]
             return [Arm(t, a, f.result()) for (t, a), f in zip(arms, futures)]

@@ -198,9 +198,9 @@ def shadow_tree(
         out_dir.mkdir(parents=True, exist_ok=True)
         in_dir = src / rel_dir
         names = set(os.listdir(in_dir)) if in_dir.is_dir() else set()
-        names |= {
-            r.name for r in files if r.parent == rel_dir
-        } | {d.name for d in real_dirs if d != PurePosixPath(".") and d.parent == rel_dir}
+        names |= {r.name for r in files if r.parent == rel_dir} | {
+            d.name for d in real_dirs if d != PurePosixPath(".") and d.parent == rel_dir
+        }
         for name in sorted(names):
             rel = rel_dir / name if rel_dir != PurePosixPath(".") else PurePosixPath(name)
             target = out_dir / name

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -124,7 +125,10 @@ class _Field:
 def _string(pattern: re.Pattern[str] | None = None, expected: str = "") -> Callable[[str, Any], str]:
     def check(where: str, value: Any) -> str:
         if not isinstance(value, str):
-            raise _FieldError(where, f"expected a string{' (quote it)' if isinstance(value, (int, float)) else ''}, got {_show(value)}")
+            raise _FieldError(
+                where,
+                f"expected a string{' (quote it)' if isinstance(value, (int, float)) else ''}, got {_show(value)}",
+            )
         if pattern is not None and not pattern.fullmatch(value):
             raise _FieldError(where, f"expected {expected}, got {value!r}")
         return value
@@ -208,15 +212,26 @@ RECIPE_SCHEMA = _mapping(
         "image": _Field(
             _mapping(
                 {
-                    "base": _Field(_string(IMAGE_REF_RE, "an image reference like nvidia/cuda:12.8.1-devel-ubuntu24.04[@sha256:...]")),
+                    "base": _Field(
+                        _string(
+                            IMAGE_REF_RE, "an image reference like nvidia/cuda:12.8.1-devel-ubuntu24.04[@sha256:...]"
+                        )
+                    ),
                     "cuda": _Field(_string(CUDA_VERSION_RE, "a CUDA version like 12.8.1")),
                     "torch_cuda_arch_list": _Field(_string(ARCH_LIST_RE, "an arch list like 12.0")),
                     "flashinfer_cuda_arch_list": _Field(_string(ARCH_LIST_RE, "an arch list like 12.0a")),
                     "python": _Field(_string(PYTHON_VERSION_RE, "a Python version like 3.12")),
                     "repository": _Field(_REPOSITORY),
-                    "mode": _Field(_string(re.compile(r"cuda|vllm"), "cuda (install vLLM on a CUDA base) or vllm (the base has it)"), required=False),
+                    "mode": _Field(
+                        _string(
+                            re.compile(r"cuda|vllm"), "cuda (install vLLM on a CUDA base) or vllm (the base has it)"
+                        ),
+                        required=False,
+                    ),
                     "source": _Field(_URL, required=False),
-                    "torch": _Field(_string(TORCH_VERSION_RE, "a torch version like 2.13.0 or 2.13.0+cu128"), required=False),
+                    "torch": _Field(
+                        _string(TORCH_VERSION_RE, "a torch version like 2.13.0 or 2.13.0+cu128"), required=False
+                    ),
                     "pip": _Field(
                         _mapping(
                             {
@@ -230,7 +245,13 @@ RECIPE_SCHEMA = _mapping(
                         required=False,
                     ),
                     "vllm_wheel": _Field(
-                        _mapping({"url": _Field(_URL), "sha256": _Field(_SHA256, required=False), "unverified": _Field(_REASON, required=False)}),
+                        _mapping(
+                            {
+                                "url": _Field(_URL),
+                                "sha256": _Field(_SHA256, required=False),
+                                "unverified": _Field(_REASON, required=False),
+                            }
+                        ),
                         required=False,
                     ),
                     "accept_cuda_mismatch": _Field(_REASON, required=False),
@@ -282,7 +303,7 @@ def load_recipe(path: str | Path) -> Recipe:
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read recipe: {exc}") from None
     try:
-        raw = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        raw = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -321,7 +342,9 @@ def _image(data: dict[str, Any], path: Path) -> ImageSettings:
     wheel = data.get("vllm_wheel")
     if wheel is not None:
         if ("sha256" in wheel) == ("unverified" in wheel):
-            raise InputError(f"{path}: image.vllm_wheel: give sha256, or (only if it cannot be had yet) unverified: <why>")
+            raise InputError(
+                f"{path}: image.vllm_wheel: give sha256, or (only if it cannot be had yet) unverified: <why>"
+            )
         data["vllm_wheel"] = VllmWheelSource(**wheel)
     return ImageSettings(**data)
 

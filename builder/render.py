@@ -76,11 +76,13 @@ def requirements(recipe: Recipe) -> str:
 
 
 def _template() -> jinja2.Template:
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)  # noqa: S701 - a Dockerfile, not HTML
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
     return env.from_string(TEMPLATE.read_text(encoding="utf-8"))
 
 
-def _render(template: jinja2.Template, recipe: Recipe, runtime_key: str, image_key: str, revision: str, source: str) -> str:
+def _render(
+    template: jinja2.Template, recipe: Recipe, runtime_key: str, image_key: str, revision: str, source: str
+) -> str:
     try:
         return template.render(
             source=source,
@@ -147,7 +149,11 @@ def _origin_url() -> str:
 
 def context_files(rendered: RenderedImage, overlay: OverlaySet, manifest_data: dict) -> dict[str, bytes]:
     """Every file of the build context, by its path in the context."""
-    files = {"Dockerfile": rendered.dockerfile.encode(), CHECKS.name: CHECKS.read_bytes(), MANIFEST: manifest_bytes(manifest_data)}
+    files = {
+        "Dockerfile": rendered.dockerfile.encode(),
+        CHECKS.name: CHECKS.read_bytes(),
+        MANIFEST: manifest_bytes(manifest_data),
+    }
     for change in overlay.changes:
         if change.after is not None:
             files[f"overlay/{change.path}"] = change.after

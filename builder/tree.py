@@ -17,9 +17,10 @@ import stat
 import struct
 import zipfile
 import zlib
+from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import Iterator, NamedTuple, Protocol, TextIO
+from typing import NamedTuple, Protocol, TextIO
 
 # ISA-L inflates and checks CRC-32 about twice and six times as fast as zlib:
 # inflating the touched entries is the largest part of an apply.
@@ -132,7 +133,16 @@ class WheelTree:
             raise InputError(f"{path}: not a valid wheel (zip): {exc}") from None
         numbers = {info.filename: n for n, info in enumerate(infos)}
         rows = b"".join(
-            _ROW.pack(i.header_offset, i.compress_type, i.compress_size, i.file_size, i.CRC, i.external_attr, i.is_dir(), i.filename in recorded)
+            _ROW.pack(
+                i.header_offset,
+                i.compress_type,
+                i.compress_size,
+                i.file_size,
+                i.CRC,
+                i.external_attr,
+                i.is_dir(),
+                i.filename in recorded,
+            )
             for i in infos
         )
         digests = b"".join(recorded.get(i.filename, bytes(32)) for i in infos)

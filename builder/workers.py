@@ -27,14 +27,25 @@ import os
 import signal
 import struct
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from builder.apply import ApplyError, apply_members
 from builder.errors import InputError
 from builder.key import key_of_digests
 from builder.members import ParseMemo, load_member, read_file
-from builder.output import MANIFEST, EncodedRow, Writer, file_row, manifest_bytes, manifest_of_rows, member_row, replacing, write_changes
+from builder.output import (
+    MANIFEST,
+    EncodedRow,
+    Writer,
+    file_row,
+    manifest_bytes,
+    manifest_of_rows,
+    member_row,
+    replacing,
+    write_changes,
+)
 from builder.recipe import Recipe
 from builder.tree import Tree
 
@@ -155,7 +166,9 @@ def _bytes_or_none(path: str) -> bytes | None:
         return None
 
 
-def _work(recipe: Recipe, tree: Tree, memo: ParseMemo, indexes: list[int], datas: list[bytes | None], tmp: Path) -> dict[str, Any]:
+def _work(
+    recipe: Recipe, tree: Tree, memo: ParseMemo, indexes: list[int], datas: list[bytes | None], tmp: Path
+) -> dict[str, Any]:
     """One worker's share, as plain data: its members parsed, applied and written, or its
     first error as (PARSE or APPLY, recipe index, message)."""
     members = []

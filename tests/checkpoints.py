@@ -76,7 +76,5 @@ def write_v41_checkpoint(directory: str | Path, **kwargs: Any) -> Path:
     """
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(
-        json.dumps(v41_config(**kwargs), indent=2) + "\n", encoding="utf-8"
-    )
+    (path / "config.json").write_text(json.dumps(v41_config(**kwargs), indent=2) + "\n", encoding="utf-8")
     return path

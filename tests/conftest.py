@@ -18,7 +18,6 @@ from builder.tree import pinned_tree
 from tests.helpers import DEFAULT_RECIPE, warm_cache_copy
 
 
-
 @pytest.fixture(scope="session")
 def vllm_wheel() -> Path:
     """The real pinned vLLM 0.30.0 wheel, fetched once into the user cache and sha256-checked."""
@@ -50,7 +49,7 @@ def overlay_files(vllm_wheel: Path) -> dict[str, dict[str, bytes]]:
     tree = pinned_tree(recipe.vllm)
     selftest = [m for m in members if m.name == SELFTEST_MEMBER]
 
-    def files(ms) -> dict[str, bytes]:  # noqa: ANN001
+    def files(ms) -> dict[str, bytes]:
         return {c.path: c.after for c in apply_members(tree, ms).changes if c.after is not None}
 
     return {"patched": files(members), "selftest-only": files(selftest)}
@@ -72,4 +71,6 @@ def selftest_module() -> ModuleType:
 @pytest.fixture(scope="session")
 def probe_python() -> Path:
     """A venv with vllm==0.30.0 and its dependencies (CPU torch), built once and cached."""
-    return ensure_probe_venv(load_recipe(DEFAULT_RECIPE).vllm.version, progress=lambda line: print(line, file=sys.stderr))
+    return ensure_probe_venv(
+        load_recipe(DEFAULT_RECIPE).vllm.version, progress=lambda line: print(line, file=sys.stderr)
+    )

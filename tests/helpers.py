@@ -51,7 +51,11 @@ def git_diff(before: dict[str, bytes | None], after: dict[str, bytes | None]) ->
             chunks.append(proc.stdout.decode("utf-8", "surrogateescape"))
     text = "".join(chunks)
     # git names both sides after the temp dirs; a member names tree paths.
-    return re.sub(r"(?m)^(diff --git |--- |\+\+\+ )(.*)$", lambda m: m.group(1) + re.sub(r"\b([ab])/(old|new)/", r"\1/", m.group(2)), text)
+    return re.sub(
+        r"(?m)^(diff --git |--- |\+\+\+ )(.*)$",
+        lambda m: m.group(1) + re.sub(r"\b([ab])/(old|new)/", r"\1/", m.group(2)),
+        text,
+    )
 
 
 def member_text(diff: str, description: str = "test member", extra: str = "") -> str:
@@ -72,18 +76,17 @@ def write_recipe(
     for name, text in members.items():
         (overlay / f"{name}.patch").write_bytes(text.encode("utf-8", "surrogateescape"))
     pin = dict(VLLM_PIN, **(vllm or {}))
-    vllm_lines = "".join(f"  {k}: \"{v}\"\n" for k, v in pin.items())
+    vllm_lines = "".join(f'  {k}: "{v}"\n' for k, v in pin.items())
     names = order if order is not None else list(members)
     text = (
         "name: test\n"
         f"vllm:\n{vllm_lines}"
-        "flashinfer:\n" + "".join(f"  {k}: \"{v}\"\n" for k, v in FLASHINFER_PIN.items()) +
-        "image:\n"
+        "flashinfer:\n" + "".join(f'  {k}: "{v}"\n' for k, v in FLASHINFER_PIN.items()) + "image:\n"
         "  base: nvidia/cuda:12.8.1-devel-ubuntu24.04\n"
-        "  cuda: \"12.8.1\"\n"
-        "  torch_cuda_arch_list: \"12.0\"\n"
-        "  flashinfer_cuda_arch_list: \"12.0a\"\n"
-        "  python: \"3.12\"\n"
+        '  cuda: "12.8.1"\n'
+        '  torch_cuda_arch_list: "12.0"\n'
+        '  flashinfer_cuda_arch_list: "12.0a"\n'
+        '  python: "3.12"\n'
         "  repository: vllm-overlay/test\n"
         f"members: [{', '.join(names)}]\n"
         "overlay: overlay\n" + extra
@@ -97,7 +100,11 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> sub
     full_env = dict(os.environ, **(env or {}))
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
     return subprocess.run(
-        [sys.executable, "-m", "builder", *map(str, args)], cwd=cwd or ROOT, env=full_env, capture_output=True, text=True
+        [sys.executable, "-m", "builder", *map(str, args)],
+        cwd=cwd or ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
     )
 
 

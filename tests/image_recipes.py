@@ -36,7 +36,9 @@ def cli_env(services: dict[str, str], produced: Path, **extra: str) -> dict[str,
     }
 
 
-def write_recipe_copy(path: Path, services: dict[str, str], repo: str, *, overlay: Path = ROOT / "overlay", **image: object) -> Path:
+def write_recipe_copy(
+    path: Path, services: dict[str, str], repo: str, *, overlay: Path = ROOT / "overlay", **image: object
+) -> Path:
     """The default recipe, pointed at the services; ``image`` overrides more (None removes a key)."""
     data = yaml.safe_load(DEFAULT_RECIPE.read_text())
     settings = data["image"]
@@ -90,7 +92,7 @@ def made_images(build_log: str) -> list[str]:
     return made
 
 
-def remove_images(client, tag_prefixes: tuple[str, ...], made: list[str]) -> None:  # noqa: ANN001
+def remove_images(client, tag_prefixes: tuple[str, ...], made: list[str]) -> None:
     """Untag what carries one of ``tag_prefixes`` (newest first; an image left unused goes, with its
     unused untagged parents), then remove the untagged images in ``made``, newest first."""
     import docker

@@ -21,10 +21,14 @@ def members(wheel_zip):
     att = wheel_zip.read(ATT)
     att2 = att.replace(b"block_size=32,", b"block_size=self.swa_block_size,")
     assert att2 != att
-    return att, att2, {
-        "one": member_text(git_diff({ATT: att, NEW: None}, {ATT: att2, NEW: b"#!/usr/bin/env python3\n"})),
-        "two": member_text(git_diff({CFG: wheel_zip.read(CFG)}, {CFG: None})),
-    }
+    return (
+        att,
+        att2,
+        {
+            "one": member_text(git_diff({ATT: att, NEW: None}, {ATT: att2, NEW: b"#!/usr/bin/env python3\n"})),
+            "two": member_text(git_diff({CFG: wheel_zip.read(CFG)}, {CFG: None})),
+        },
+    )
 
 
 def test_overlay_output_and_manifest(tmp_path, wheel_zip):
@@ -75,7 +79,10 @@ def test_full_tree_from_a_local_wheel_and_from_a_directory(tmp_path, wheel_zip, 
         (checkout / n).write_bytes(wheel_zip.read(n))
     att, att2, ms = members(wheel_zip)
     results = []
-    for label, vllm in (("wheel", {"path": str(small), "sha256": sha(small.read_bytes())}), ("dir", {"path": str(checkout)})):
+    for label, vllm in (
+        ("wheel", {"path": str(small), "sha256": sha(small.read_bytes())}),
+        ("dir", {"path": str(checkout)}),
+    ):
         d = tmp_path / label
         d.mkdir()
         recipe = write_recipe(d, ms, vllm=vllm)

@@ -77,9 +77,19 @@ def assert_same_as_git(tmp: Path, wheel_zip, vllm_wheel: Path, diffs: list[str])
 
 def test_several_hunks_in_two_files(tmp_path, wheel_zip, vllm_wheel):
     att, sp = wheel_zip.read(ATTENTION), wheel_zip.read(SPARSE)
-    att2 = edit(att, {469: b"            block_size=self.swa_block_size,\n", 20: None}, {180: b"    swa_block_size: ClassVar[int] = 32\n"})
-    sp2 = edit(sp, {69: b"_SPARSE_MLA_SUPPORTED_Q_HEADS = (8, 16, 32, 64, 128)  # checked\n"}, {545: b"    swa_block_size = 64\n"})
-    assert_same_as_git(tmp_path, wheel_zip, vllm_wheel, [git_diff({ATTENTION: att, SPARSE: sp}, {ATTENTION: att2, SPARSE: sp2})])
+    att2 = edit(
+        att,
+        {469: b"            block_size=self.swa_block_size,\n", 20: None},
+        {180: b"    swa_block_size: ClassVar[int] = 32\n"},
+    )
+    sp2 = edit(
+        sp,
+        {69: b"_SPARSE_MLA_SUPPORTED_Q_HEADS = (8, 16, 32, 64, 128)  # checked\n"},
+        {545: b"    swa_block_size = 64\n"},
+    )
+    assert_same_as_git(
+        tmp_path, wheel_zip, vllm_wheel, [git_diff({ATTENTION: att, SPARSE: sp}, {ATTENTION: att2, SPARSE: sp2})]
+    )
 
 
 def test_new_file_and_deletion(tmp_path, wheel_zip, vllm_wheel):
@@ -116,7 +126,10 @@ def test_crlf_lines_are_kept_and_matched(tmp_path, wheel_zip, vllm_wheel):
     crlf = edit(att, {i: lines_of(att)[i].replace(b"\n", b"\r\n") for i in range(100, 110)})
     later = edit(crlf, {104: b"# edited between CRLF lines\r\n"})
     new = "vllm/crlf_only.txt"
-    diffs = [git_diff({ATTENTION: att, new: None}, {ATTENTION: crlf, new: b"a\r\nb\r\n"}), git_diff({ATTENTION: crlf}, {ATTENTION: later})]
+    diffs = [
+        git_diff({ATTENTION: att, new: None}, {ATTENTION: crlf, new: b"a\r\nb\r\n"}),
+        git_diff({ATTENTION: crlf}, {ATTENTION: later}),
+    ]
     assert "\r\n" in diffs[1]
     assert_same_as_git(tmp_path, wheel_zip, vllm_wheel, diffs)
 
@@ -140,7 +153,10 @@ def test_random_edits_match_git(seed, tmp_path, wheel_zip, vllm_wheel):
     for path in rng.sample(candidates, 3):
         data = wheel_zip.read(path)
         n = len(lines_of(data))
-        changes = {rng.randrange(n): (None if rng.random() < 0.3 else f"# edit {seed}\n".encode()) for _ in range(rng.randint(1, 6))}
+        changes = {
+            rng.randrange(n): (None if rng.random() < 0.3 else f"# edit {seed}\n".encode())
+            for _ in range(rng.randint(1, 6))
+        }
         inserts = {rng.randrange(n): b"# inserted\n" for _ in range(rng.randint(0, 3))}
         before[path], after[path] = data, edit(data, changes, inserts)
     diff = git_diff(before, after)

@@ -58,7 +58,9 @@ def test_already_applied_is_told_from_conflict(tmp_path, wheel_zip):
     fix = git_diff({ATT: att}, {ATT: replaced(att, 469, b"            block_size=64,\n")})
     other = replaced(att, 300, b"    this line is not in vLLM 0.30.0\n")
     conflict = git_diff({ATT: other}, {ATT: replaced(other, 301, b"    # edit\n")})
-    proc, report = check(tmp_path, {"fix": member_text(fix), "fix_again": member_text(fix), "clash": member_text(conflict)})
+    proc, report = check(
+        tmp_path, {"fix": member_text(fix), "fix_again": member_text(fix), "clash": member_text(conflict)}
+    )
     assert proc.returncode == 1
     statuses = {m["member"]: m["status"] for m in report["members"]}
     assert statuses == {"fix": "applied", "fix_again": "already applied", "clash": "conflict"}
@@ -78,7 +80,10 @@ def test_standalone_member_is_also_tried_alone(tmp_path, wheel_zip):
     att = wheel_zip.read(ATT)
     after_base = replaced(att, 469, b"            block_size=self.swa_block_size,\n")
     base = git_diff({ATT: att}, {ATT: after_base})
-    dependent = git_diff({ATT: after_base}, {ATT: replaced(after_base, 469, b"            block_size=self.swa_block_size,  # 64 on SM120\n")})
+    dependent = git_diff(
+        {ATT: after_base},
+        {ATT: replaced(after_base, 469, b"            block_size=self.swa_block_size,  # 64 on SM120\n")},
+    )
     new_file = git_diff({"vllm/standalone_new.py": None}, {"vllm/standalone_new.py": b"OK = True\n"})
     members = {
         "base": member_text(base),
@@ -87,7 +92,10 @@ def test_standalone_member_is_also_tried_alone(tmp_path, wheel_zip):
     }
     proc, report = check(tmp_path, members)
     assert [m["status"] for m in report["members"]] == ["applied", "applied", "applied"]
-    assert [(m["member"], m["status"]) for m in report["standalone"]] == [("dependent", "conflict"), ("independent", "applied")]
+    assert [(m["member"], m["status"]) for m in report["standalone"]] == [
+        ("dependent", "conflict"),
+        ("independent", "applied"),
+    ]
     assert proc.returncode == 1
 
 

@@ -63,9 +63,20 @@ def fi07_wheel() -> Path:
     if not wheel.is_file() or _sha256(wheel) != FI07_SHA256:
         cache.mkdir(parents=True, exist_ok=True)
         proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-             f"flashinfer-python=={FI07_VERSION}", "-d", str(cache)],
-            capture_output=True, text=True, check=False,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                f"flashinfer-python=={FI07_VERSION}",
+                "-d",
+                str(cache),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert wheel.is_file(), f"pip download left no {wheel}"
@@ -117,14 +128,31 @@ def by_field(r, field):
     return [(x.op, x.values) for x in r.rules if x.field == field]
 
 
-def accepts(mod, rules, *, num_tokens, dual, num_heads, topk, d_qk=512, page_block_size=64,
-            extra_topk=512, extra_page_block_size=64):
+def accepts(
+    mod,
+    rules,
+    *,
+    num_tokens,
+    dual,
+    num_heads,
+    topk,
+    d_qk=512,
+    page_block_size=64,
+    extra_topk=512,
+    extra_page_block_size=64,
+):
     """Whether the routes taking one call of ``num_tokens`` tokens accept it: (ok, reasons)."""
     call = mod.Call(
-        kind="test", layer="test", min_tokens=num_tokens, max_tokens=num_tokens,
-        num_heads=num_heads, topk=topk, page_block_size=page_block_size,
+        kind="test",
+        layer="test",
+        min_tokens=num_tokens,
+        max_tokens=num_tokens,
+        num_heads=num_heads,
+        topk=topk,
+        page_block_size=page_block_size,
         extra_topk=extra_topk if dual else 0,
-        extra_page_block_size=extra_page_block_size if dual else 0, d_qk=d_qk,
+        extra_page_block_size=extra_page_block_size if dual else 0,
+        d_qk=d_qk,
     )
     checks = mod.plan_checks([call], rules)
     assert len(checks) == 1
@@ -134,18 +162,34 @@ def accepts(mod, rules, *, num_tokens, dual, num_heads, topk, d_qk=512, page_blo
 def vllm_facts(mod, *, page=64, width=128, layers=((0, 0), (1, 128), (2, 64))):
     """vLLM 0.30.0 on the synthetic checkpoint at TP 4 (hand-written)."""
     return mod.VllmFacts(
-        tensor_parallel_size=4, num_heads=64, local_heads=16, padded_heads=16,
-        sliding_window=128, prefill_width=width, decode_query_len=1,
-        swa_page_block_size=page, layer_types=layers, extra_topk=512, d_qk=512,
-        max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=65536,
-        prefill_chunk_requests=4, capture_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+        tensor_parallel_size=4,
+        num_heads=64,
+        local_heads=16,
+        padded_heads=16,
+        sliding_window=128,
+        prefill_width=width,
+        decode_query_len=1,
+        swa_page_block_size=page,
+        layer_types=layers,
+        extra_topk=512,
+        d_qk=512,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=65536,
+        prefill_chunk_requests=4,
+        capture_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
     )
 
 
 def run_static(mod, vf, rules):
     out = io.StringIO()
-    rc = mod.run(["--static", *ARGV], out=out, vllm_facts=lambda a: (vf, []),
-                 flashinfer_rules=rules, device_capability=lambda: None)
+    rc = mod.run(
+        ["--static", *ARGV],
+        out=out,
+        vllm_facts=lambda a: (vf, []),
+        flashinfer_rules=rules,
+        device_capability=lambda: None,
+    )
     return rc, out.getvalue().rstrip("\n").splitlines()[-1]
 
 
@@ -375,7 +419,9 @@ def test_07_prefill_rules(rules07):
     for name in (SINGLE, DUAL):
         r = route(rules07, name)
         assert ("multiple_of", frozenset({64})) in by_field(r, "topk")  # attention_resolve.cu:185
-        assert by_field(r, "num_heads").count(("in", HEADS)) == 3  # _core.py:1402, attention_plan.h:37,41,47, prefill_launch
+        assert (
+            by_field(r, "num_heads").count(("in", HEADS)) == 3
+        )  # _core.py:1402, attention_plan.h:37,41,47, prefill_launch
     s = route(rules07, SINGLE)
     assert any("prefill_launch.cuh:345,347" in x.source for x in s.rules)
     d = route(rules07, DUAL)
@@ -402,12 +448,15 @@ def test_07_vllm_030_style_calls(selftest_module, rules07, page, extra_page):
     base = dict(num_heads=16, page_block_size=page)
     for tokens in (1, 64):
         assert accepts(mod, rules07, num_tokens=tokens, dual=False, topk=128, **base)[0]
-        assert accepts(mod, rules07, num_tokens=tokens, dual=True, topk=128, extra_page_block_size=extra_page, **base)[0]
+        assert accepts(mod, rules07, num_tokens=tokens, dual=True, topk=128, extra_page_block_size=extra_page, **base)[
+            0
+        ]
     for tokens in (65, 8192):
         for width in (128, 1152):
             assert accepts(mod, rules07, num_tokens=tokens, dual=False, topk=width, **base)[0]
-            assert accepts(mod, rules07, num_tokens=tokens, dual=True, topk=width,
-                           extra_page_block_size=extra_page, **base)[0]
+            assert accepts(
+                mod, rules07, num_tokens=tokens, dual=True, topk=width, extra_page_block_size=extra_page, **base
+            )[0]
 
 
 @pytest.mark.parametrize("page,width", [(32, 1152), (64, 128)])
@@ -468,7 +517,12 @@ def test_07_extra_page_fixed_set(selftest_module, copy07):
 
 def test_07_dual_dispatch_renamed_cannot_establish(selftest_module, copy07):
     mod = selftest_module
-    edit(copy07, mod.PREFILL_LAUNCH_CUH, "PrefillLaunchResult dispatch_dsv4_dual(", "PrefillLaunchResult dispatch_dsv4_dual_v2(")
+    edit(
+        copy07,
+        mod.PREFILL_LAUNCH_CUH,
+        "PrefillLaunchResult dispatch_dsv4_dual(",
+        "PrefillLaunchResult dispatch_dsv4_dual_v2(",
+    )
     with pytest.raises(mod.CannotEstablish, match="dispatch_dsv4_dual"):
         mod.read_flashinfer_07x(copy07)
 
@@ -506,8 +560,12 @@ def test_07_cutoff_disagreement_cannot_establish(selftest_module, copy07):
 
 def test_07_prefill_heads_changed(selftest_module, copy07):
     mod = selftest_module
-    edit(copy07, mod.PLAN_H, "  if constexpr (mg && (inline_scale || MT == ModelType::DSV4)) {\n    HEAD(128)",
-         "  if constexpr (mg && inline_scale) {\n    HEAD(128)")
+    edit(
+        copy07,
+        mod.PLAN_H,
+        "  if constexpr (mg && (inline_scale || MT == ModelType::DSV4)) {\n    HEAD(128)",
+        "  if constexpr (mg && inline_scale) {\n    HEAD(128)",
+    )
     r = mod.read_flashinfer_07x(copy07)
     for name in (SINGLE, DUAL):
         assert ("in", frozenset({8, 16, 32, 64})) in by_field(route(r, name), "num_heads")

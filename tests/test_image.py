@@ -158,7 +158,7 @@ def services() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def client(services):  # noqa: ANN001, ANN201
+def client(services):
     """The engine; at the end this run's tags are removed, and the images only this run made.
 
     An image left with no tag and no child goes, with its untagged parents up to the
@@ -167,13 +167,16 @@ def client(services):  # noqa: ANN001, ANN201
     engine = docker.DockerClient(base_url=services["DOCKER_HOST"], timeout=600)
     engine.ping()
     yield engine
-    prefixes = (f"{services['VLLM_OVERLAY_TEST_REGISTRY']}/vllm-overlay-itest-{RUN_ID}/", f"vllm-overlay-itest-{RUN_ID}/")
+    prefixes = (
+        f"{services['VLLM_OVERLAY_TEST_REGISTRY']}/vllm-overlay-itest-{RUN_ID}/",
+        f"vllm-overlay-itest-{RUN_ID}/",
+    )
     remove_images(engine, prefixes, [i for log in RUN_ONLY_LOGS for i in made_images(log)])
     engine.close()
 
 
 @pytest.fixture(scope="module")
-def default_build(services, client, tmp_path_factory) -> Run:  # noqa: ANN001
+def default_build(services, client, tmp_path_factory) -> Run:
     """The default recipe, built once (cold: about 25 s, most of it the 315 MB wheel's install)."""
     work = tmp_path_factory.mktemp("default")
     recipe = write_recipe_copy(work / "recipe.yaml", services, repository(services, "default"))
@@ -183,7 +186,7 @@ def default_build(services, client, tmp_path_factory) -> Run:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def applied(default_build, tmp_path_factory) -> Path:  # noqa: ANN001
+def applied(default_build, tmp_path_factory) -> Path:
     """`vllm-overlay apply --out` of the same recipe: the touched files and manifest.json."""
     out = tmp_path_factory.mktemp("applied") / "overlay"
     cli_out("apply", default_build.recipe, "--out", out)
@@ -191,7 +194,7 @@ def applied(default_build, tmp_path_factory) -> Path:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def changed_build(services, default_build, tmp_path_factory) -> Run:  # noqa: ANN001
+def changed_build(services, default_build, tmp_path_factory) -> Run:
     """The same recipe with one member's hunk changed (a comment line beside swa_block_size = 64)."""
     work = tmp_path_factory.mktemp("changed")
     # The run id makes the change new to the engine on every run, so the overlay steps do run.
@@ -204,7 +207,7 @@ def changed_build(services, default_build, tmp_path_factory) -> Run:  # noqa: AN
 
 
 @pytest.fixture(scope="module")
-def vllm_base(services, client) -> str:  # noqa: ANN001
+def vllm_base(services, client) -> str:
     """A stand-in for an existing vLLM image: the test base with vllm and flashinfer pip-installed, unpatched.
 
     Its tag is the same on every run and is kept, so only the first run on an engine installs the wheels.
@@ -216,14 +219,16 @@ def vllm_base(services, client) -> str:  # noqa: ANN001
         f"RUN python3 -m pip install --no-cache-dir --break-system-packages --no-deps --index-url {index} "
         "vllm==0.30.0 flashinfer-python==0.6.18.post1\n"
     )
-    client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, network_mode="host", rm=True, forcerm=True, pull=False)
+    client.images.build(
+        fileobj=io.BytesIO(dockerfile.encode()), tag=tag, network_mode="host", rm=True, forcerm=True, pull=False
+    )
     return tag
 
 
 # ---- tests --------------------------------------------------------------------
 
 
-def test_default_recipe_image_holds_the_patched_tree(services, client, default_build, applied) -> None:  # noqa: ANN001
+def test_default_recipe_image_holds_the_patched_tree(services, client, default_build, applied) -> None:
     ref = default_build.reference
     assert ref.startswith(default_build.repository + ":rk-")
     manifest = json.loads((applied / "manifest.json").read_text())
@@ -232,9 +237,14 @@ def test_default_recipe_image_holds_the_patched_tree(services, client, default_b
 
     found = probe_image(client, ref, "python", paths)
     assert (found["vllm"], found["flashinfer"]) == ("0.30.0", "0.6.18.post1")
-    shown = client.containers.run(ref, ["python", "-m", "pip", "show", "vllm", "flashinfer-python"], remove=True, network_mode="none").decode()
+    shown = client.containers.run(
+        ref, ["python", "-m", "pip", "show", "vllm", "flashinfer-python"], remove=True, network_mode="none"
+    ).decode()
     assert re.findall(r"(?m)^(Name|Version): (.*)$", shown) == [
-        ("Name", "vllm"), ("Version", "0.30.0"), ("Name", "flashinfer-python"), ("Version", "0.6.18.post1"),
+        ("Name", "vllm"),
+        ("Version", "0.30.0"),
+        ("Name", "flashinfer-python"),
+        ("Version", "0.6.18.post1"),
     ]
     # Every touched file is the one `apply` wrote (the self-test module included, new in this tree) ...
     for path in paths:
@@ -262,7 +272,10 @@ def test_default_recipe_image_holds_the_patched_tree(services, client, default_b
     assert labels["io.vllm-overlay.torch-cuda"] == "none"
     assert labels["io.vllm-overlay.nvcc"] == "none"
     assert labels["io.vllm-overlay.cuda-mismatch-accepted"] == ACCEPT
-    revision = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
+    revision = (
+        subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        or "unknown"
+    )
     assert labels["org.opencontainers.image.revision"] == revision
     assert labels["org.opencontainers.image.title"] == "vllm-overlay v41-sm120"
     assert labels["org.opencontainers.image.version"] == f"0.30.0-{runtime_key.removeprefix('rk-')[:16]}"
@@ -272,15 +285,24 @@ def test_default_recipe_image_holds_the_patched_tree(services, client, default_b
     assert labels.get("org.opencontainers.image.source") == source
     # The tags: by runtime key, by image key, and the recipe's moving tag, all on the one image.
     image = client.images.get(ref)
-    assert {ref, f"{default_build.repository}:ik-{image_key.removeprefix('ik-')[:16]}", f"{default_build.repository}:v41-sm120"} <= set(image.tags)
+    assert {
+        ref,
+        f"{default_build.repository}:ik-{image_key.removeprefix('ik-')[:16]}",
+        f"{default_build.repository}:v41-sm120",
+    } <= set(image.tags)
 
     [row] = rows(default_build.produced)
-    assert (row["recipe"], row["runtime_key"], row["image_key"], row["image"]) == ("v41-sm120", runtime_key, image_key, ref)
+    assert (row["recipe"], row["runtime_key"], row["image_key"], row["image"]) == (
+        "v41-sm120",
+        runtime_key,
+        image_key,
+        ref,
+    )
     assert row["digest"] == image.id
     assert row["pins"] == {"vllm": "0.30.0", "flashinfer": "0.6.18.post1"}
 
 
-def test_second_run_builds_nothing(services, client, default_build) -> None:  # noqa: ANN001
+def test_second_run_builds_nothing(services, client, default_build) -> None:
     before = client.images.get(default_build.reference).id
     again = image_run(services, default_build.recipe, default_build.produced)
     assert again.proc.returncode == 0, stderr_tail(again.proc)
@@ -291,10 +313,13 @@ def test_second_run_builds_nothing(services, client, default_build) -> None:  # 
     assert len(rows(default_build.produced)) == 1
 
 
-def test_member_change_rebuilds_only_the_overlay_layers(services, client, default_build, changed_build) -> None:  # noqa: ANN001
+def test_member_change_rebuilds_only_the_overlay_layers(services, client, default_build, changed_build) -> None:
     old_rk, new_rk = (cli_out("key", r.recipe).strip() for r in (default_build, changed_build))
     ctx = changed_build.produced.parent
-    old_ik, new_ik = (cli_out("dockerfile", r.recipe, "--out", ctx / f"context-{i}").strip() for i, r in enumerate((default_build, changed_build)))
+    old_ik, new_ik = (
+        cli_out("dockerfile", r.recipe, "--out", ctx / f"context-{i}").strip()
+        for i, r in enumerate((default_build, changed_build))
+    )
     assert old_rk != new_rk and old_ik != new_ik
     old, new = client.images.get(default_build.reference), client.images.get(changed_build.reference)
     assert new.labels["io.vllm-overlay.runtime-key"] == new_rk and new.labels["io.vllm-overlay.image-key"] == new_ik
@@ -311,21 +336,30 @@ def test_member_change_rebuilds_only_the_overlay_layers(services, client, defaul
     installed = shared[0]
     assert "image_checks.py pins" in client.api.history(installed)[0]["CreatedBy"]
     old_layers, new_layers, base_layers = layers(client, old.id), layers(client, new.id), layers(client, installed)
-    common = next((i for i, (a, b) in enumerate(zip(old_layers, new_layers)) if a != b), min(len(old_layers), len(new_layers)))
+    common = next(
+        (i for i, (a, b) in enumerate(zip(old_layers, new_layers)) if a != b), min(len(old_layers), len(new_layers))
+    )
     assert common == len(base_layers)
     assert old_layers[:common] == new_layers[:common] == base_layers
     assert len(old_layers) == len(new_layers)
     assert 2 <= len(new_layers) - common <= 3, (len(new_layers), common)
     # The base image's own layers and the install layers are all in the shared part.
-    assert layers(client, services["VLLM_OVERLAY_TEST_BASE_IMAGE"]) == base_layers[: len(layers(client, services["VLLM_OVERLAY_TEST_BASE_IMAGE"]))]
-    assert len(base_layers) >= len(layers(client, services["VLLM_OVERLAY_TEST_BASE_IMAGE"])) + 2  # venv, installed wheels
+    assert (
+        layers(client, services["VLLM_OVERLAY_TEST_BASE_IMAGE"])
+        == base_layers[: len(layers(client, services["VLLM_OVERLAY_TEST_BASE_IMAGE"]))]
+    )
+    assert (
+        len(base_layers) >= len(layers(client, services["VLLM_OVERLAY_TEST_BASE_IMAGE"])) + 2
+    )  # venv, installed wheels
 
 
-def test_push_then_plan_answers_from_the_registry(services, client, default_build, tmp_path) -> None:  # noqa: ANN001
+def test_push_then_plan_answers_from_the_registry(services, client, default_build, tmp_path) -> None:
     # The same recipe under another repository: the engine already has the image (same image key).
     repo = repository(services, "pushed")
     recipe = write_recipe_copy(tmp_path / "recipe.yaml", services, repo)
-    empty, produced, gh_before, gh_after = (tmp_path / n for n in ("empty.yaml", "produced.yaml", "gh-before", "gh-after"))
+    empty, produced, gh_before, gh_after = (
+        tmp_path / n for n in ("empty.yaml", "produced.yaml", "gh-before", "gh-after")
+    )
     runtime_key = cli_out("key", recipe).strip()
     image_key = client.images.get(default_build.reference).labels["io.vllm-overlay.image-key"]
     ik_tag = f"{repo}:ik-{image_key.removeprefix('ik-')[:16]}"
@@ -339,7 +373,7 @@ def test_push_then_plan_answers_from_the_registry(services, client, default_buil
     assert pushed.proc.returncode == 0, stderr_tail(pushed.proc)
     host = services["VLLM_OVERLAY_TEST_REGISTRY"]
     name = repo.removeprefix(host + "/")
-    with urllib.request.urlopen(f"http://{host}/v2/{name}/tags/list", timeout=30) as response:  # noqa: S310 - the local registry
+    with urllib.request.urlopen(f"http://{host}/v2/{name}/tags/list", timeout=30) as response:
         tags = set(json.load(response)["tags"])
     assert tags == {f"rk-{runtime_key.removeprefix('rk-')[:16]}", ik_tag.rsplit(":", 1)[1], "v41-sm120"}
     [row] = rows(produced)
@@ -353,20 +387,31 @@ def test_push_then_plan_answers_from_the_registry(services, client, default_buil
     assert gh_after.read_text() == f"rebuild=false\nkey={runtime_key}\nimage-key={image_key}\n"
 
 
-def test_installed_file_differing_from_the_manifest_fails_the_build(services, default_build, tmp_path) -> None:  # noqa: ANN001
+def test_installed_file_differing_from_the_manifest_fails_the_build(services, default_build, tmp_path) -> None:
     # An existing-vLLM base whose attention.py is already patched: its "before" hash does not match.
-    recipe = write_recipe_copy(tmp_path / "recipe.yaml", services, repository(services, "prepatched"), mode="vllm", base=default_build.reference)
+    recipe = write_recipe_copy(
+        tmp_path / "recipe.yaml",
+        services,
+        repository(services, "prepatched"),
+        mode="vllm",
+        base=default_build.reference,
+    )
     produced = tmp_path / "produced.yaml"
     run = image_run(services, recipe, produced)
     assert run.proc.returncode == 1, stderr_tail(run.proc)
-    assert re.search(r"site-packages/vllm/models/deepseek_v41/attention\.py: installed file differs from the overlay's base", run.proc.stderr), stderr_tail(run.proc)
+    assert re.search(
+        r"site-packages/vllm/models/deepseek_v41/attention\.py: installed file differs from the overlay's base",
+        run.proc.stderr,
+    ), stderr_tail(run.proc)
     assert run.proc.stderr.splitlines()[-1].startswith("vllm-overlay: image build failed")
     assert "Traceback" not in run.proc.stderr
     assert rows(produced) == []
 
 
-def test_existing_vllm_base_is_overlaid_and_verified(services, client, vllm_base, applied, tmp_path) -> None:  # noqa: ANN001
-    recipe = write_recipe_copy(tmp_path / "recipe.yaml", services, repository(services, "vllm-mode"), mode="vllm", base=vllm_base)
+def test_existing_vllm_base_is_overlaid_and_verified(services, client, vllm_base, applied, tmp_path) -> None:
+    recipe = write_recipe_copy(
+        tmp_path / "recipe.yaml", services, repository(services, "vllm-mode"), mode="vllm", base=vllm_base
+    )
     produced = tmp_path / "produced.yaml"
     run = image_run(services, recipe, produced)
     assert run.proc.returncode == 0, stderr_tail(run.proc)
@@ -383,8 +428,10 @@ def test_existing_vllm_base_is_overlaid_and_verified(services, client, vllm_base
     assert [r["image"] for r in rows(produced)] == [run.reference]
 
 
-def test_cuda_mismatch_fails_unless_the_recipe_accepts_it(services, tmp_path) -> None:  # noqa: ANN001
-    recipe = write_recipe_copy(tmp_path / "recipe.yaml", services, repository(services, "cuda-mismatch"), accept_cuda_mismatch=None)
+def test_cuda_mismatch_fails_unless_the_recipe_accepts_it(services, tmp_path) -> None:
+    recipe = write_recipe_copy(
+        tmp_path / "recipe.yaml", services, repository(services, "cuda-mismatch"), accept_cuda_mismatch=None
+    )
     produced = tmp_path / "produced.yaml"
     run = image_run(services, recipe, produced)
     assert run.proc.returncode == 1, stderr_tail(run.proc)
@@ -394,7 +441,7 @@ def test_cuda_mismatch_fails_unless_the_recipe_accepts_it(services, tmp_path) ->
     assert rows(produced) == []
 
 
-def test_unreachable_engine_is_one_line_exit_2(services, tmp_path) -> None:  # noqa: ANN001
+def test_unreachable_engine_is_one_line_exit_2(services, tmp_path) -> None:
     recipe = write_recipe_copy(tmp_path / "recipe.yaml", services, repository(services, "unreachable"))
     produced = tmp_path / "produced.yaml"
     env = cli_env(services, produced, DOCKER_HOST="unix:///nonexistent.sock")
@@ -405,7 +452,7 @@ def test_unreachable_engine_is_one_line_exit_2(services, tmp_path) -> None:  # n
     assert proc.stdout == "" and not produced.exists()
 
 
-def test_an_image_built_from_the_overlay_image_is_not_taken_for_it(services, client, tmp_path) -> None:  # noqa: ANN001
+def test_an_image_built_from_the_overlay_image_is_not_taken_for_it(services, client, tmp_path) -> None:
     # An image built FROM the overlay image inherits every label, the image key's included.
     repo = repository(services, "derived")
     recipe = write_recipe_copy(tmp_path / "recipe.yaml", services, repo)
@@ -418,7 +465,10 @@ def test_an_image_built_from_the_overlay_image_is_not_taken_for_it(services, cli
     assert first.proc.returncode == 0, stderr_tail(first.proc)
     built = client.images.get(first.reference)
     derived, _ = client.images.build(
-        fileobj=io.BytesIO(f"FROM {built.id}\nRUN touch /derived\n".encode()), tag=f"vllm-overlay-itest-{RUN_ID}/derived:latest", rm=True, network_mode="none"
+        fileobj=io.BytesIO(f"FROM {built.id}\nRUN touch /derived\n".encode()),
+        tag=f"vllm-overlay-itest-{RUN_ID}/derived:latest",
+        rm=True,
+        network_mode="none",
     )
     assert derived.labels["io.vllm-overlay.image-key"] == built.labels["io.vllm-overlay.image-key"]
     for tag in built.tags:  # only the derived image is left carrying the key among tagged images

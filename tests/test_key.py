@@ -40,7 +40,9 @@ HEADER = "Description: {d}\nAuthor: A <a@example.invalid>\nUpstream-Status: Pend
 # The normalized diffs, by the README's rules: no header, index line, timestamps or section text;
 # counts always written; a missing final newline marked after the line.
 NORMAL_A = "--- a/vllm/a.py\n+++ b/vllm/a.py\n@@ -1,3 +1,3 @@\n one\n-two\n+TWO\n three\n"
-NORMAL_B = "new file mode 100644\n--- /dev/null\n+++ b/vllm/new.py\n@@ -0,0 +1,1 @@\n+x = 1\n\\ No newline at end of file\n"
+NORMAL_B = (
+    "new file mode 100644\n--- /dev/null\n+++ b/vllm/new.py\n@@ -0,0 +1,1 @@\n+x = 1\n\\ No newline at end of file\n"
+)
 GOLDEN = "rk-baa6ab2a798d287080630a84edfadff025c6c892d0e7a753df9cd7af950f99d1"  # == hand_key(), pinned so a format change is seen
 
 
@@ -48,10 +50,18 @@ def sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def key_of(tmp: Path, a: str = DIFF_A, b: str = DIFF_B, order=("alpha", "beta"), desc="first", vllm=None, extra="") -> str:
+def key_of(
+    tmp: Path, a: str = DIFF_A, b: str = DIFF_B, order=("alpha", "beta"), desc="first", vllm=None, extra=""
+) -> str:
     d = tmp / f"r{len(list(tmp.iterdir()))}"
     d.mkdir()
-    path = write_recipe(d, {"alpha": HEADER.format(d=desc) + a, "beta": HEADER.format(d="second") + b}, list(order), vllm=vllm, extra=extra)
+    path = write_recipe(
+        d,
+        {"alpha": HEADER.format(d=desc) + a, "beta": HEADER.format(d="second") + b},
+        list(order),
+        vllm=vllm,
+        extra=extra,
+    )
     recipe = load_recipe(path)
     return runtime_key(recipe, load_recipe_members(recipe))
 
@@ -73,7 +83,9 @@ def test_golden_key(tmp_path):
 
 
 def test_cosmetic_changes_keep_the_key(tmp_path):
-    stamped = DIFF_A.replace("--- a/vllm/a.py", "--- a/vllm/a.py\t2026-01-01 00:00:00").replace("+++ b/vllm/a.py", "+++ b/vllm/a.py\t2026-11-29 10:00:00")
+    stamped = DIFF_A.replace("--- a/vllm/a.py", "--- a/vllm/a.py\t2026-01-01 00:00:00").replace(
+        "+++ b/vllm/a.py", "+++ b/vllm/a.py\t2026-11-29 10:00:00"
+    )
     assert key_of(tmp_path, a=stamped) == GOLDEN
     assert key_of(tmp_path, a=DIFF_A.replace("index 1111111..2222222", "index abcdef0..fedcba9")) == GOLDEN
     assert key_of(tmp_path, a=DIFF_A.replace("@@ def f():", "@@ class Other:")) == GOLDEN
@@ -129,7 +141,9 @@ def test_key_is_the_same_in_another_environment(tmp_path):
         shutil.copytree(ROOT / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
     deps = tmp_path / "deps"
     for module in (unidiff, yaml):  # pure Python, and PyYAML's CPython 3.11 extension
-        shutil.copytree(Path(module.__file__).parent, deps / module.__name__, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            Path(module.__file__).parent, deps / module.__name__, ignore=shutil.ignore_patterns("__pycache__")
+        )
     hand = tmp_path / "hand"
     hand.mkdir()
     write_recipe(hand, {"alpha": HEADER.format(d="x") + DIFF_A, "beta": HEADER.format(d="y") + DIFF_B})
@@ -143,12 +157,25 @@ def test_key_is_the_same_in_another_environment(tmp_path):
             "python3 -m builder key recipes/v41-sm120.yaml && python3 -m builder key /elsewhere/hand/recipe.yaml"
         )
         logs = engine.containers.run(
-            services["VLLM_OVERLAY_TEST_BASE_IMAGE"], ["sh", "-c", script], user="4321:4321", remove=True,
-            environment={"PYTHONPATH": "/elsewhere/src:/elsewhere/deps", "HOME": "/tmp/home", "LANG": "C",
-                         "TZ": "Pacific/Kiritimati", "PYTHONDONTWRITEBYTECODE": "1"},
-            volumes={str(src): {"bind": "/elsewhere/src", "mode": "ro"}, str(deps): {"bind": "/elsewhere/deps", "mode": "ro"},
-                     str(hand): {"bind": "/elsewhere/hand", "mode": "ro"}},
-            network_disabled=True, stdout=True, stderr=False,
+            services["VLLM_OVERLAY_TEST_BASE_IMAGE"],
+            ["sh", "-c", script],
+            user="4321:4321",
+            remove=True,
+            environment={
+                "PYTHONPATH": "/elsewhere/src:/elsewhere/deps",
+                "HOME": "/tmp/home",
+                "LANG": "C",
+                "TZ": "Pacific/Kiritimati",
+                "PYTHONDONTWRITEBYTECODE": "1",
+            },
+            volumes={
+                str(src): {"bind": "/elsewhere/src", "mode": "ro"},
+                str(deps): {"bind": "/elsewhere/deps", "mode": "ro"},
+                str(hand): {"bind": "/elsewhere/hand", "mode": "ro"},
+            },
+            network_disabled=True,
+            stdout=True,
+            stderr=False,
         )
     finally:
         engine.close()

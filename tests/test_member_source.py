@@ -159,7 +159,10 @@ def test_a_source_beside_a_member_that_is_not_one_new_file(work: Path):
     source.write_bytes(b"x = 1\n")
     # HEAD's other member patches two files; then one file, not new
     one_file = git_diff({"vllm/x.py": b"a\n"}, {"vllm/x.py": b"b\n"})
-    cases = [(None, "but it has 2 'diff --git' lines"), (member_text(one_file), "but its diff of vllm/x.py is not a new file")]
+    cases = [
+        (None, "but it has 2 'diff --git' lines"),
+        (member_text(one_file), "but its diff of vllm/x.py is not a new file"),
+    ]
     for text, why in cases:
         if text is not None:
             patch.write_text(text)
@@ -168,7 +171,9 @@ def test_a_source_beside_a_member_that_is_not_one_new_file(work: Path):
             proc = _cli(work, *args)
             assert proc.returncode == 2, proc.stderr
             [line] = proc.stderr.splitlines()
-            assert line.startswith(f"vllm-overlay: {patch}: member {OTHER}: made from {source}, so its diff must be a single new-file diff, {why}")
+            assert line.startswith(
+                f"vllm-overlay: {patch}: member {OTHER}: made from {source}, so its diff must be a single new-file diff, {why}"
+            )
         assert snapshot(work) == before
 
 

@@ -25,7 +25,7 @@ CRLF_AND_NO_NEWLINE = member_text(
 )
 
 
-def facts(members) -> list:  # noqa: ANN001
+def facts(members) -> list:
     return [(m.name, m.fields, m.files, m.digest) for m in members]
 
 
@@ -35,7 +35,7 @@ def parses(monkeypatch):
     count = {"n": 0}
     real = M._parse
 
-    def counting(*args):  # noqa: ANN002, ANN202
+    def counting(*args):
         count["n"] += 1
         return real(*args)
 
@@ -43,7 +43,7 @@ def parses(monkeypatch):
     return count
 
 
-def load_and_save(recipe, memo_file):  # noqa: ANN001, ANN201
+def load_and_save(recipe, memo_file):
     """One run that parsed cleanly: its members, and the memo it leaves."""
     memo = ParseMemo(memo_file)
     members = load_recipe_members(recipe, memo)
@@ -51,7 +51,7 @@ def load_and_save(recipe, memo_file):  # noqa: ANN001, ANN201
     return members
 
 
-def remembered_crlf_member(tmp_path):  # noqa: ANN001, ANN201
+def remembered_crlf_member(tmp_path):
     """A recipe of one member that a run has parsed and remembered: (recipe, memo, member file)."""
     recipe_path = write_recipe(tmp_path, {"crlf_tail": CRLF_AND_NO_NEWLINE})
     memo_file = tmp_path / "members.marshal"
@@ -59,7 +59,7 @@ def remembered_crlf_member(tmp_path):  # noqa: ANN001, ANN201
     return recipe_path, memo_file, tmp_path / "overlay" / "crlf_tail.patch"
 
 
-def recipes(tmp_path):  # noqa: ANN001, ANN201
+def recipes(tmp_path):
     """The default recipe's two real members, and one with CRLF and no final newline."""
     return [load_recipe(DEFAULT_RECIPE), load_recipe(write_recipe(tmp_path, {"crlf_tail": CRLF_AND_NO_NEWLINE}))]
 

@@ -40,10 +40,10 @@ class Server:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # noqa: ANN002
+            def log_message(self, *args):
                 pass
 
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 outer.hits.append(self.path)
                 if self.path == "/simple/demo/":
                     body = json.dumps({"files": [{"filename": NAME, "url": "../../good"}]}).encode()
@@ -116,7 +116,7 @@ def test_bad_downloads_leave_nothing(server, tmp_path, path, sha, message):
 def test_warm_run_does_not_hash_again(server, tmp_path, monkeypatch):
     got = pinned_wheel(pin(f"{server.url}/good"), root=tmp_path)
 
-    def no_hashing(path):  # noqa: ANN001, ANN202
+    def no_hashing(path):
         raise AssertionError(f"hashed {path} again")
 
     monkeypatch.setattr(builder.pin, "sha256_file", no_hashing)
@@ -128,7 +128,9 @@ def test_warm_run_does_not_hash_again(server, tmp_path, monkeypatch):
 
 
 def test_check_command_downloads_with_progress(server, tmp_path):
-    recipe = write_recipe(tmp_path, {}, [], vllm={"url": f"{server.url}/good", "sha256": SHA, "wheel": NAME, "version": "1.0"})
+    recipe = write_recipe(
+        tmp_path, {}, [], vllm={"url": f"{server.url}/good", "sha256": SHA, "wheel": NAME, "version": "1.0"}
+    )
     proc = run_cli("check", recipe, env={"VLLM_OVERLAY_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr
     assert f"download vllm 1.0 ({NAME}):" in proc.stderr

@@ -23,7 +23,9 @@ HEADER = ["tree", "argv", "decode kernel", "prefill single", "prefill dual", "ve
 
 
 def _table(probe_python, checkpoint) -> dict[tuple[str, str], dict[str, str]]:
-    proc = run_cli("probe", DEFAULT_RECIPE, "--python", probe_python, "--static", "--", checkpoint, "--headless", "-tp", "4")
+    proc = run_cli(
+        "probe", DEFAULT_RECIPE, "--python", probe_python, "--static", "--", checkpoint, "--headless", "-tp", "4"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [re.split(r"\s{2,}", row.strip(), maxsplit=6) for row in proc.stdout.strip().splitlines()]
     assert rows[0] == HEADER
@@ -41,13 +43,17 @@ def tables(probe_python, tmp_path_factory) -> dict[str, dict]:
 
 def test_four_arms_on_the_decode_route(tables):
     table = tables["v41"]
-    assert sorted(table) == sorted([("unpatched", "as given"), ("unpatched", "text-only"), ("patched", "as given"), ("patched", "text-only")])
+    assert sorted(table) == sorted(
+        [("unpatched", "as given"), ("unpatched", "text-only"), ("patched", "as given"), ("patched", "text-only")]
+    )
     arm = table[("unpatched", "as given")]
     assert arm["decode kernel"] == "FAIL" and PAGE_32 in arm["reasons"] and DECODE_1152 in arm["reasons"]
     arm = table[("unpatched", "text-only")]
     assert arm["decode kernel"] == "FAIL" and PAGE_32 in arm["reasons"] and "1152" not in arm["reasons"]
     arm = table[("patched", "as given")]
-    assert arm["decode kernel"] == "FAIL" and DECODE_1152 in arm["reasons"] and "page_block_size 32" not in arm["reasons"]
+    assert (
+        arm["decode kernel"] == "FAIL" and DECODE_1152 in arm["reasons"] and "page_block_size 32" not in arm["reasons"]
+    )
     assert table[("patched", "text-only")]["decode kernel"] == "pass"
 
 
@@ -60,7 +66,13 @@ def test_ratio_1_layers_fail_above_64_tokens(tables):
 
 def test_ratio_2_text_only_passes_every_route(tables):
     arm = tables["ratio2"][("patched", "text-only")]
-    assert arm == {"decode kernel": "pass", "prefill single": "pass", "prefill dual": "pass", "verdict": "SELFTEST PASS (static)", "reasons": ""}
+    assert arm == {
+        "decode kernel": "pass",
+        "prefill single": "pass",
+        "prefill dual": "pass",
+        "verdict": "SELFTEST PASS (static)",
+        "reasons": "",
+    }
     assert tables["ratio2"][("patched", "as given")]["verdict"] == "SELFTEST FAIL"
 
 
@@ -70,7 +82,7 @@ def test_probe_refuses_an_interpreter_with_another_vllm(tmp_path):
     (fake / "__init__.py").write_text("")
     (fake / "models" / "deepseek_v41" / "attention.py").write_text("# not vLLM 0.30.0\n")
     python = tmp_path / "python"
-    python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'site'} exec {__import__('sys').executable} \"$@\"\n")
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "site"} exec {__import__("sys").executable} "$@"\n')
     python.chmod(0o755)
     proc = run_cli("probe", DEFAULT_RECIPE, "--python", python, "--static", "--", str(tmp_path), "-tp", "4")
     assert proc.returncode == 2

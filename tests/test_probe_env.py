@@ -18,9 +18,7 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert probe_env.probe_venv_dir("0.30.0") == tmp_path / "a" / "probe-venv" / "vllm-0.30.0"
     monkeypatch.delenv("VLLM_OVERLAY_CACHE")
-    assert probe_env.probe_venv_dir("0.30.0") == (
-        tmp_path / "xdg" / "vllm-overlay" / "probe-venv" / "vllm-0.30.0"
-    )
+    assert probe_env.probe_venv_dir("0.30.0") == (tmp_path / "xdg" / "vllm-overlay" / "probe-venv" / "vllm-0.30.0")
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert probe_env.probe_venv_dir("0.31.0") == (
@@ -43,9 +41,7 @@ def test_complete_venv_is_reused_without_running_anything(monkeypatch, tmp_path)
         raise AssertionError("must not run a process for a complete venv")
 
     monkeypatch.setattr(subprocess, "Popen", no_process)
-    assert ensure_probe_venv(cache_dir=tmp_path, progress=lambda s: None) == (
-        venv / "bin" / "python"
-    )
+    assert ensure_probe_venv(cache_dir=tmp_path, progress=lambda s: None) == (venv / "bin" / "python")
 
 
 def test_venv_without_marker_is_removed_and_rebuilt(monkeypatch, tmp_path):

@@ -33,7 +33,10 @@ def test_default_dockerfile(recipe):
     install = [line for line in text.splitlines() if "pip install" in line]
     assert len(install) == 1, "one resolver step"
     assert "--extra-index-url https://download.pytorch.org/whl/cu128" in install[0]
-    assert "'vllm @ https://github.com/vllm-project/vllm/releases/download/v0.30.0/vllm-0.30.0+cu128-cp38-abi3-manylinux_2_35_x86_64.whl'" in text
+    assert (
+        "'vllm @ https://github.com/vllm-project/vllm/releases/download/v0.30.0/vllm-0.30.0+cu128-cp38-abi3-manylinux_2_35_x86_64.whl'"
+        in text
+    )
     assert "flashinfer-python==0.6.18.post1 torch==2.13.0+cu128" in text
     assert "image_checks.py pins 0.30.0 0.6.18.post1 12.8.1\n" in text
     # the overlay comes after everything that installs, and the keys only in the final labels
@@ -120,7 +123,11 @@ def test_actionlint_passes_on_the_workflow():
 
 def test_actionlint_catches_a_broken_workflow(tmp_path):
     broken = tmp_path / "image.yml"
-    broken.write_text((ROOT / ".github/workflows/image.yml").read_text().replace("steps.plan.outputs.rebuild", "step.plan.outputs.rebuild"))
+    broken.write_text(
+        (ROOT / ".github/workflows/image.yml")
+        .read_text()
+        .replace("steps.plan.outputs.rebuild", "step.plan.outputs.rebuild")
+    )
     proc = _actionlint(broken)
     assert proc.returncode == 1 and "step" in proc.stdout
 
@@ -143,7 +150,10 @@ def test_dockerfile_command_writes_the_context(tmp_path):
     assert sorted(str(p.relative_to(out / "overlay")) for p in (out / "overlay").rglob("*") if p.is_file()) == touched
     for path in touched:
         assert (out / "overlay" / path).read_bytes() == (overlay / path).read_bytes()
-    assert json.loads((out / "manifest.json").read_text())["files"] == json.loads((overlay / "manifest.json").read_text())["files"]
+    assert (
+        json.loads((out / "manifest.json").read_text())["files"]
+        == json.loads((overlay / "manifest.json").read_text())["files"]
+    )
     assert (out / "image_checks.py").read_bytes() == (ROOT / "images/image_checks.py").read_bytes()
     assert proc.stdout.strip() in (out / "Dockerfile").read_text()  # the image key it prints is the one labelled
 

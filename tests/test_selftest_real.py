@@ -50,7 +50,9 @@ def installed_vllm(probe_python) -> Path:
 @pytest.fixture(scope="module")
 def trees(installed_vllm, overlay_files, tmp_path_factory) -> dict[str, Path]:
     return {
-        "unpatched": shadow_tree(installed_vllm, overlay_files["selftest-only"], tmp_path_factory.mktemp("shadow-unpatched")),
+        "unpatched": shadow_tree(
+            installed_vllm, overlay_files["selftest-only"], tmp_path_factory.mktemp("shadow-unpatched")
+        ),
         "patched": shadow_tree(installed_vllm, overlay_files["patched"], tmp_path_factory.mktemp("shadow-patched")),
     }
 
@@ -93,7 +95,14 @@ def _variations(ck: dict[str, Path]) -> dict[str, list[str]]:
         "v41-seqs256": [v41, "-tp", "4", "--max-num-seqs", "256", *TEXT_ONLY],
         "v41-seqs8-sizes": [v41, "-tp", "4", "--max-num-seqs", "8", "--compilation-config", sizes, *TEXT_ONLY],
         "v41-seqs8-eager": [v41, "-tp", "4", "--max-num-seqs", "8", "--enforce-eager", *TEXT_ONLY],
-        "v41-mtp2": [v41, "-tp", "4", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', *TEXT_ONLY],
+        "v41-mtp2": [
+            v41,
+            "-tp",
+            "4",
+            "--speculative-config",
+            '{"method": "mtp", "num_speculative_tokens": 2}',
+            *TEXT_ONLY,
+        ],
         "r2-tp2": [r2, "-tp", "2", *TEXT_ONLY],
         "r2-tp8": [r2, "-tp", "8", *TEXT_ONLY],
         "r2-tp4-dp2": [r2, "-tp", "4", "-dp", "2", *TEXT_ONLY],
@@ -144,7 +153,9 @@ def _routes(result: dict) -> dict[str, str]:
 
 def _checks(result: dict, route: str) -> list[tuple[str, str, int, int]]:
     return sorted(
-        (c["layer"], c["kind"], c["min_tokens"], c["max_tokens"]) for c in result["table"]["checks"] if c["route"] == route
+        (c["layer"], c["kind"], c["min_tokens"], c["max_tokens"])
+        for c in result["table"]["checks"]
+        if c["route"] == route
     )
 
 
@@ -249,7 +260,10 @@ def test_vllm_facts_come_from_the_sm120_builder(variations):
         "compressed ratio 1": "compressed page 128",
         "compressed ratio 2": "compressed page 64",
     }
-    assert "get_supported_kernel_block_sizes() = [128] (vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py:111)" in facts["vllm.layer_types"]["source"]
+    assert (
+        "get_supported_kernel_block_sizes() = [128] (vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py:111)"
+        in facts["vllm.layer_types"]["source"]
+    )
     page = facts["vllm.swa_page_block_size"]
     assert page["value"] == 64 and "DeepseekV4FlashInferSM120Attention.swa_block_size" in page["source"]
     assert facts["vllm.prefill_chunk_requests"]["value"] == 4
@@ -290,7 +304,9 @@ def results(probe_python, trees, checkpoints) -> dict[str, SelftestRun]:
         "bad-flag": ("patched", ["--static", "--", v41, "--no-such-flag"]),
     }
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(run_selftest, probe_python, trees[tree], args) for name, (tree, args) in runs.items()}
+        futures = {
+            name: pool.submit(run_selftest, probe_python, trees[tree], args) for name, (tree, args) in runs.items()
+        }
         return {name: f.result() for name, f in futures.items()}
 
 

@@ -14,7 +14,6 @@ import dataclasses
 import io
 import json
 import re
-import sys
 
 import pytest
 
@@ -36,14 +35,19 @@ DECODE, SINGLE, DUAL = "decode kernel", "prefill single", "prefill dual"
 ARGV = ("--", "/models/v41", "-tp", "4")
 
 
-def rules_06(mod, *, cutoff: int = 64, prefill_min: int | None = None, dual_extra=frozenset({2, 64}), decode_pairs=None):
+def rules_06(
+    mod, *, cutoff: int = 64, prefill_min: int | None = None, dual_extra=frozenset({2, 64}), decode_pairs=None
+):
     R = mod.Rule
     pairs = decode_pairs if decode_pairs is not None else frozenset((h, t) for h in HEADS for t in DECODE_TOPKS)
     d_qk = R("d_qk", "in", frozenset({512}), f"{BINDING}:68 resolve_model_type: DSV4")
     start = cutoff + 1 if prefill_min is None else prefill_min
     routes = (
         mod.Route(
-            DECODE, 1, cutoff, "any",
+            DECODE,
+            1,
+            cutoff,
+            "any",
             (
                 R("d_qk", "in", frozenset({512}), f"{PY}:256 _decode_dsv4_dispatchable"),
                 R("page_block_size", "in", frozenset({64}), f"{PY}:107 _DECODE_DSV4_PAGE_BLOCK_SIZE"),
@@ -52,7 +56,10 @@ def rules_06(mod, *, cutoff: int = 64, prefill_min: int | None = None, dual_extr
             f"{PY}:74 _DECODE_MAX_TOKENS",
         ),
         mod.Route(
-            SINGLE, start, None, "single",
+            SINGLE,
+            start,
+            None,
+            "single",
             (
                 d_qk,
                 R("num_heads", "in", HEADS, f"{CU}:275 dispatch_dsv4_single: num_heads cases"),
@@ -62,12 +69,20 @@ def rules_06(mod, *, cutoff: int = 64, prefill_min: int | None = None, dual_extr
             f"{BINDING}:261 num_tokens > 64",
         ),
         mod.Route(
-            DUAL, start, None, "dual",
+            DUAL,
+            start,
+            None,
+            "dual",
             (
                 d_qk,
                 R("num_heads", "in", HEADS, f"{CU}:334 dispatch_dsv4_dual: num_heads cases"),
                 R("topk", "in", frozenset({128}), f"{CU}:394 dispatch_dsv4_dual: topk guard"),
-                R("extra_page_block_size", "in", frozenset(dual_extra), f"{CU}:325 dispatch_dsv4_dual: extra_page_block_size branches"),
+                R(
+                    "extra_page_block_size",
+                    "in",
+                    frozenset(dual_extra),
+                    f"{CU}:325 dispatch_dsv4_dual: extra_page_block_size branches",
+                ),
                 R("page_block_size", "in", frozenset({64}), f"{CU}:366 launch_prefill_mg_dual"),
             ),
             f"{CU}:418 dispatch_dsv4_dual",
@@ -223,8 +238,11 @@ def test_max_num_seqs_8_decode_stays_on_decode_route_prefill_reaches_dual(selfte
     decode_calls = [c for c in rep.checks if c.call.kind == "decode"]
     assert {c.route for c in decode_calls} == {DECODE}
     assert {(c.min_tokens, c.max_tokens) for c in decode_calls} == {(1, 16)}
-    r1_prefill = {c.route: (c.min_tokens, c.max_tokens) for c in rep.checks
-                  if c.call.kind == "prefill" and c.call.layer == "compressed ratio 1"}
+    r1_prefill = {
+        c.route: (c.min_tokens, c.max_tokens)
+        for c in rep.checks
+        if c.call.kind == "prefill" and c.call.layer == "compressed ratio 1"
+    }
     assert r1_prefill == {DECODE: (3, 64), DUAL: (65, 8192)}
     (reason,) = reasons_on(rep, DUAL)
     assert "extra_page_block_size 128" in reason
@@ -322,7 +340,11 @@ def test_json_shape(selftest_module):
     data = json.loads(text[: text.rstrip("\n").rfind("\n")])
     assert data["verdict"] == last and data["passed"] is False and data["static"] is True
     assert {n: r["status"] for n, r in data["routes"].items()} == {DECODE: "pass", SINGLE: "pass", DUAL: "FAIL"}
-    check = next(c for c in data["checks"] if c["route"] == DUAL and c["kind"] == "prefill" and c["layer"] == "compressed ratio 1")
+    check = next(
+        c
+        for c in data["checks"]
+        if c["route"] == DUAL and c["kind"] == "prefill" and c["layer"] == "compressed ratio 1"
+    )
     assert (check["min_tokens"], check["max_tokens"], check["num_heads"], check["topk"]) == (65, 8192, 16, 128)
     assert (check["extra_topk"], check["extra_page_block_size"], check["page_block_size"]) == (512, 128, 64)
     assert check["static"] == "refused" and check["kernel"] == []
@@ -361,10 +383,15 @@ def test_kernel_called_once_per_route_part_and_token_count(selftest_module):
     # decode calls 1..512: 1 and 64 on the decode kernel, 65 and 512 (largest capture) on dual;
     # prefill calls 2..8192: 2 and 64 on the decode kernel, 65, 512 and 8192 on dual.
     assert kernel.calls == [
-        (DECODE, L, "decode", 1), (DECODE, L, "decode", 64),
-        (DUAL, L, "decode", 65), (DUAL, L, "decode", 512),
-        (DECODE, L, "prefill", 2), (DECODE, L, "prefill", 64),
-        (DUAL, L, "prefill", 65), (DUAL, L, "prefill", 512), (DUAL, L, "prefill", 8192),
+        (DECODE, L, "decode", 1),
+        (DECODE, L, "decode", 64),
+        (DUAL, L, "decode", 65),
+        (DUAL, L, "decode", 512),
+        (DECODE, L, "prefill", 2),
+        (DECODE, L, "prefill", 64),
+        (DUAL, L, "prefill", 65),
+        (DUAL, L, "prefill", 512),
+        (DUAL, L, "prefill", 8192),
     ]
 
 
@@ -388,8 +415,7 @@ def test_raising_kernel_fails_naming_route_and_layer(selftest_module):
     rc, text, last = run(selftest_module, good(selftest_module), kernel_call=kernel, device_capability=SM120)
     assert rc == 1
     assert last == (
-        "SELFTEST FAIL: prefill dual: RuntimeError: no kernel for this shape "
-        "[compressed ratio 2, prefill 8192]"
+        "SELFTEST FAIL: prefill dual: RuntimeError: no kernel for this shape [compressed ratio 2, prefill 8192]"
     )
     # The other calls still ran: one refusal does not stop the table.
     assert len(kernel.calls) == 18
@@ -401,7 +427,9 @@ def test_kernel_that_runs_on_statically_refused_part_still_fails_with_note(selft
     rc, text, last = run(selftest_module, text_only(selftest_module), kernel_call=kernel, device_capability=SM120)
     assert rc == 1
     assert last.startswith("SELFTEST FAIL: prefill dual: extra_page_block_size 128 not in {2, 64}")
-    assert ("note: prefill dual, compressed ratio 1, prefill 65..8192: the kernel ran, but the rules read refuse it") in text
+    assert (
+        "note: prefill dual, compressed ratio 1, prefill 65..8192: the kernel ran, but the rules read refuse it"
+    ) in text
     assert (DUAL, "compressed ratio 1", "prefill", 8192) in kernel.calls
 
 
@@ -420,7 +448,9 @@ def test_other_device_fails_and_calls_no_kernel(selftest_module, cap):
 def test_no_device_lists_static_refusals_too(selftest_module):
     rc, _, last = run(selftest_module, text_only(selftest_module), kernel_call=never_called)
     assert rc == 1
-    assert last.startswith("SELFTEST FAIL: no SM120 device: kernel calls not run; prefill dual: extra_page_block_size 128")
+    assert last.startswith(
+        "SELFTEST FAIL: no SM120 device: kernel calls not run; prefill dual: extra_page_block_size 128"
+    )
 
 
 def test_sm121_counts_as_sm120(selftest_module):
@@ -435,7 +465,9 @@ def test_sm121_counts_as_sm120(selftest_module):
 def test_static_never_calls_kernel(selftest_module, how):
     argv = ("--static", *ARGV) if how == "flag" else ARGV
     kw = {} if how == "flag" else {"static": True}
-    rc, _, last = run(selftest_module, good(selftest_module), argv=argv, kernel_call=never_called, device_capability=SM120, **kw)
+    rc, _, last = run(
+        selftest_module, good(selftest_module), argv=argv, kernel_call=never_called, device_capability=SM120, **kw
+    )
     assert (rc, last) == (0, "SELFTEST PASS (static)")
 
 
@@ -461,7 +493,13 @@ def test_collector_selftest_error(selftest_module):
         raise selftest_module.SelftestError("model path '/nope' is not a directory")
 
     out = io.StringIO()
-    rc = selftest_module.run(list(ARGV), out=out, vllm_facts=boom, flashinfer_rules=lambda: rules_06(selftest_module), device_capability=NO_DEVICE)
+    rc = selftest_module.run(
+        list(ARGV),
+        out=out,
+        vllm_facts=boom,
+        flashinfer_rules=lambda: rules_06(selftest_module),
+        device_capability=NO_DEVICE,
+    )
     assert rc == 1
     assert _one_fail_line(out.getvalue()) == "SELFTEST FAIL: model path '/nope' is not a directory"
 
@@ -473,7 +511,13 @@ def test_collector_unexpected_exception(selftest_module, monkeypatch):
         raise KeyError("surprise")
 
     out = io.StringIO()
-    rc = selftest_module.run(list(ARGV), out=out, vllm_facts=lambda a: (good(selftest_module), []), flashinfer_rules=boom, device_capability=NO_DEVICE)
+    rc = selftest_module.run(
+        list(ARGV),
+        out=out,
+        vllm_facts=lambda a: (good(selftest_module), []),
+        flashinfer_rules=boom,
+        device_capability=NO_DEVICE,
+    )
     assert rc == 1
     assert _one_fail_line(out.getvalue()) == "SELFTEST FAIL: internal error: KeyError: 'surprise'"
 
@@ -486,8 +530,13 @@ def test_serve_argv_reaches_collector_unchanged(selftest_module):
         return good(selftest_module), []
 
     out = io.StringIO()
-    selftest_module.run(["--static", "--", "/m", "-tp", "4", "--static-x"], out=out, vllm_facts=collect,
-                        flashinfer_rules=lambda: rules_06(selftest_module), device_capability=NO_DEVICE)
+    selftest_module.run(
+        ["--static", "--", "/m", "-tp", "4", "--static-x"],
+        out=out,
+        vllm_facts=collect,
+        flashinfer_rules=lambda: rules_06(selftest_module),
+        device_capability=NO_DEVICE,
+    )
     assert seen == [["/m", "-tp", "4", "--static-x"]]
 
 

@@ -48,7 +48,9 @@ def test_a_record_hash_is_used_as_the_before_hash(tmp_path):
     entry = base64.urlsafe_b64encode(recorded).rstrip(b"=").decode()
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as z:
         z.writestr("tiny/mod.py", body)
-        z.writestr("tiny-1.0.dist-info/RECORD", f"tiny/mod.py,sha256={entry},{len(body)}\ntiny-1.0.dist-info/RECORD,,\n")
+        z.writestr(
+            "tiny-1.0.dist-info/RECORD", f"tiny/mod.py,sha256={entry},{len(body)}\ntiny-1.0.dist-info/RECORD,,\n"
+        )
     member_file = tmp_path / "edit.patch"
     member_file.write_text(member_text(git_diff({"tiny/mod.py": body}, {"tiny/mod.py": b"x = 1\ny = 3\n"})))
     (change,) = apply_members(WheelTree(wheel), [load_member(member_file)]).changes

@@ -36,7 +36,7 @@ def edit(data: bytes, at: float, text: bytes) -> bytes:
     return b"".join(lines)
 
 
-def chained_members(wheel_zip) -> dict[str, str]:  # noqa: ANN001
+def chained_members(wheel_zip) -> dict[str, str]:
     """40 members: one per file and fraction, so that members share files in chains (each
     applying on the one before it), one member spans two chains, one adds a file, one
     deletes one, and one applies with an offset."""
@@ -50,8 +50,12 @@ def chained_members(wheel_zip) -> dict[str, str]:  # noqa: ANN001
             state[path] = after
     # one member joins the chains of two files; another adds a file; another deletes one
     a, b = FILES[0], FILES[1]
-    members["bridge"] = member_text(git_diff({a: state[a], b: state[b]}, {a: state[a] + b"# bridge\n", b: b"# bridge\n" + state[b]}))
-    members["added"] = member_text(git_diff({"vllm/added_by_member.py": None}, {"vllm/added_by_member.py": b"ADDED = True\n"}))
+    members["bridge"] = member_text(
+        git_diff({a: state[a], b: state[b]}, {a: state[a] + b"# bridge\n", b: b"# bridge\n" + state[b]})
+    )
+    members["added"] = member_text(
+        git_diff({"vllm/added_by_member.py": None}, {"vllm/added_by_member.py": b"ADDED = True\n"})
+    )
     members["deleted"] = member_text(git_diff({FILES[9]: state[FILES[9]]}, {FILES[9]: None}))
     # a member made against a copy with 3 extra lines at the top: it applies 3 lines up
     c = FILES[2]
@@ -61,19 +65,25 @@ def chained_members(wheel_zip) -> dict[str, str]:  # noqa: ANN001
 
 
 @pytest.fixture
-def recipe_path(tmp_path, wheel_zip, isolated_cache, monkeypatch):  # noqa: ANN001, ANN201
+def recipe_path(tmp_path, wheel_zip, isolated_cache, monkeypatch):
     monkeypatch.setenv("VLLM_OVERLAY_CACHE", str(isolated_cache))
     return write_recipe(tmp_path / "recipe", chained_members(wheel_zip))
 
 
-def run_with(recipe_path, out, jobs, memo=None):  # noqa: ANN001, ANN201
+def run_with(recipe_path, out, jobs, memo=None):
     recipe = load_recipe(recipe_path)
     return apply_to_dir(recipe, pinned_tree(recipe.vllm), memo or ParseMemo.for_recipe(recipe), out, jobs=jobs)
 
 
 def test_groups_join_members_that_share_a_file():
     diff = b"Description: x\n\ndiff --git a/%s b/%s\n"
-    datas = [diff % (b"a", b"a"), diff % (b"b", b"b"), diff % (b"a", b"a") + diff % (b"c", b"c"), diff % (b"c", b"c"), None]
+    datas = [
+        diff % (b"a", b"a"),
+        diff % (b"b", b"b"),
+        diff % (b"a", b"a") + diff % (b"c", b"c"),
+        diff % (b"c", b"c"),
+        None,
+    ]
     groups = member_groups(datas)
     assert sorted(groups) == [[0, 2, 3], [1], [4]]  # 0-2 share a, 2-3 share c; an unreadable one alone
     assert groups[0] == [0, 2, 3]  # the heaviest first
@@ -111,7 +121,9 @@ def test_the_command_takes_its_worker_count_from_the_environment(tmp_path, recip
         outs[jobs] = (proc.stdout, proc.stderr.replace(str(tmp_path / jobs), "OUT"), snapshot(tmp_path / jobs))
     assert outs["1"] == outs["2"]
     proc = run_cli("apply", recipe_path, "--out", tmp_path / "bad", env={"VLLM_OVERLAY_JOBS": "two"})
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == ["vllm-overlay: VLLM_OVERLAY_JOBS: expected a whole number of at least 1, got 'two'"]
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "vllm-overlay: VLLM_OVERLAY_JOBS: expected a whole number of at least 1, got 'two'"
+    ]
     assert not (tmp_path / "bad").exists()
 
 
@@ -126,13 +138,15 @@ def test_out_is_the_same_when_a_full_tree_is_written_too(tmp_path, recipe_path):
     assert (tmp_path / "tree" / "vllm" / "added_by_member.py").read_bytes() == b"ADDED = True\n"
 
 
-def break_member(recipe_path, name: str, how: str) -> None:  # noqa: ANN001
+def break_member(recipe_path, name: str, how: str) -> None:
     """Make member ``name`` fail to parse or to apply, keeping its size (the partition into
     workers goes by size: it stays as it was)."""
     path = recipe_path.parent / "overlay" / f"{name}.patch"
     text = path.read_text()
     if how == "parse":
-        broken = text.replace("Upstream-Status: Inappropriate [test fixture]", "Upstream-Status: Inappropriate (test fixture)")
+        broken = text.replace(
+            "Upstream-Status: Inappropriate [test fixture]", "Upstream-Status: Inappropriate (test fixture)"
+        )
     else:  # the first removed line of its first hunk, one character changed
         head, hunks = text.split("\n@@", 1)
         at = hunks.index("\n-") + 2
@@ -141,7 +155,7 @@ def break_member(recipe_path, name: str, how: str) -> None:  # noqa: ANN001
     path.write_text(broken)
 
 
-def shards_of(recipe_path) -> list[list[str]]:  # noqa: ANN001
+def shards_of(recipe_path) -> list[list[str]]:
     """The members each of two workers takes, by name, in recipe order."""
     recipe = load_recipe(recipe_path)
     datas = [recipe.member_path(name).read_bytes() for name in recipe.members]
@@ -190,7 +204,7 @@ def test_a_worker_that_fails_fails_the_run_and_leaves_nothing(tmp_path, recipe_p
     here = os.getpid()
     real_work = workers._work
 
-    def failing_in_children(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def failing_in_children(*args, **kwargs):
         if os.getpid() != here:
             raise RuntimeError("worker bug")
         return real_work(*args, **kwargs)
@@ -236,7 +250,13 @@ def test_a_bad_member_is_refused_before_the_wheel_is_fetched(tmp_path, wheel_zip
     members = chained_members(wheel_zip)
     recipe_path = write_recipe(tmp_path / "recipe", members, vllm={"url": "http://127.0.0.1:9/vllm.whl"})
     break_member(recipe_path, "m2_5", "parse")
-    proc = run_cli("apply", recipe_path, "--out", tmp_path / "out", env={"VLLM_OVERLAY_CACHE": str(cache), "VLLM_OVERLAY_JOBS": "2"})
+    proc = run_cli(
+        "apply",
+        recipe_path,
+        "--out",
+        tmp_path / "out",
+        env={"VLLM_OVERLAY_CACHE": str(cache), "VLLM_OVERLAY_JOBS": "2"},
+    )
     assert proc.returncode == 2 and "member m2_5: header: malformed Upstream-Status" in proc.stderr, proc.stderr
     assert list(cache.iterdir()) == [] and not (tmp_path / "out").exists()
 

@@ -43,7 +43,7 @@ probe-venv:       ## the cached venv with the pinned vLLM (CPU torch) the probe 
 	$(PYTHON) -c 'from builder.probe_env import ensure_probe_venv; print(ensure_probe_venv())'
 
 probe:            ## the self-test's four-arm route table on two checkpoints (static: no SM120 device here)
-	$(PYTHON) -c 'from tests.checkpoints import write_v41_checkpoint as w; w("$(OUT)/checkpoint-v41"); w("$(OUT)/checkpoint-v41-ratio2", compress_ratios=(0, 2, 2))'
+	$(PYTHON) -c 'from tools.checkpoints import write_v41_checkpoint as w; w("$(OUT)/checkpoint-v41"); w("$(OUT)/checkpoint-v41-ratio2", compress_ratios=(0, 2, 2))'
 	$(VO) probe $(RECIPE) --static -- $(SERVE_ARGV)
 	$(VO) probe $(RECIPE) --static -- $(SERVE_ARGV_RATIO2)
 

@@ -13,7 +13,7 @@
 # already is reused. Progress goes to stderr; `start` and `env` print
 # `export NAME=VALUE` lines on stdout, so `eval "$(bash .ci/services.sh start)"`
 # works too. The same NAME=VALUE lines are written to $VO_ENV_FILE for tests
-# (tests/services.py reads it).
+# (tools/services.py reads it).
 #
 # Settings (environment, all optional):
 #   VLLM_OVERLAY_CACHE        cache root (default ~/.cache/vllm-overlay);

@@ -1,7 +1,7 @@
 """Issue 4's speed figures for the image, each printed beside the comparison it names.
 
 Printed, never asserted.  Runs against the local services (`.ci/services.sh
-start`; coordinates from tests.services.load_service_env()), with a
+start`; coordinates from tools.services.load_service_env()), with a
 repository of its own under the local registry and a temporary produced-rows
 file, so it never touches images/produced.yaml.
 
@@ -46,8 +46,8 @@ from builder.output import manifest  # noqa: E402
 from builder.recipe import load_recipe  # noqa: E402
 from builder.render import context_files, render_image  # noqa: E402
 from builder.tree import pinned_tree  # noqa: E402
-from tests.image_recipes import changed_overlay, cli_env, made_images, remove_images, write_recipe_copy  # noqa: E402
-from tests.services import ServicesNotRunning, load_service_env  # noqa: E402
+from tools.image_recipes import changed_overlay, cli_env, made_images, remove_images, write_recipe_copy  # noqa: E402
+from tools.services import ServicesNotRunning, load_service_env  # noqa: E402
 
 KIB = 1024
 PLAN_RUNS = 7

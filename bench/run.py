@@ -34,7 +34,7 @@ from builder.pin import cache_root, pinned_wheel  # noqa: E402
 from builder.recipe import load_recipe  # noqa: E402
 from builder.tree import pinned_tree  # noqa: E402
 from builder.workers import worker_count  # noqa: E402
-from tests.helpers import DEFAULT_RECIPE, git_diff, member_text, warm_cache_copy, write_recipe  # noqa: E402
+from tools.synthetic import DEFAULT_RECIPE, git_diff, member_text, warm_cache_copy, write_recipe  # noqa: E402
 
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 

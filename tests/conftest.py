@@ -15,7 +15,7 @@ from builder.probe import SELFTEST_MEMBER
 from builder.probe_env import ensure_probe_venv
 from builder.recipe import load_recipe
 from builder.tree import pinned_tree
-from tests.helpers import DEFAULT_RECIPE, warm_cache_copy
+from tools.synthetic import DEFAULT_RECIPE, warm_cache_copy
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,8 @@ import hashlib
 import json
 import zipfile
 
-from tests.helpers import git_diff, member_text, run_cli, write_recipe
+from tests.helpers import run_cli
+from tools.synthetic import git_diff, member_text, write_recipe
 
 ATT = "vllm/models/deepseek_v41/attention.py"
 CFG = "vllm/transformers_utils/configs/deepseek_v41.py"

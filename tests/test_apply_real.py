@@ -13,7 +13,7 @@ from builder.apply import apply_members
 from builder.errors import InputError
 from builder.members import load_member
 from builder.tree import WheelTree
-from tests.helpers import git_diff, member_text
+from tools.synthetic import git_diff, member_text
 
 ATTENTION = "vllm/models/deepseek_v41/attention.py"
 SPARSE = "vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py"

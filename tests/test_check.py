@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from tests.helpers import git_diff, member_text, run_cli, write_recipe
+from tests.helpers import run_cli
+from tools.synthetic import git_diff, member_text, write_recipe
 
 ATT = "vllm/models/deepseek_v41/attention.py"
 
@@ -100,7 +101,7 @@ def test_standalone_member_is_also_tried_alone(tmp_path, wheel_zip):
 
 
 def test_default_recipe_checks_clean_on_the_real_tree():
-    from tests.helpers import DEFAULT_RECIPE
+    from tools.synthetic import DEFAULT_RECIPE
 
     proc = run_cli("check", DEFAULT_RECIPE, "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr

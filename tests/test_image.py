@@ -3,14 +3,14 @@
 The services (dockerd on a private socket, the registry on 127.0.0.1, the
 package index serving the pinned wheels, the Debian base image with Python)
 are started by `.ci/services.sh start`; their coordinates come from
-tests.services.load_service_env().  Nothing here is skipped: without them the
+tools.services.load_service_env().  Nothing here is skipped: without them the
 tests fail with the line that says how to start them.
 
 Every command goes through the CLI.  Each test pushes to or tags its own
 repository under the registry (a per-run prefix), so runs never collide, and
 writes produced-image rows to its own file (never images/produced.yaml).
 
-The recipe is the default one pointed at the services (tests/image_recipes.py).
+The recipe is the default one pointed at the services (tools/image_recipes.py).
 The expensive builds are module fixtures, and all of them share the engine's
 layer cache for the install steps: only the first build on a fresh engine
 installs the 315 MB wheel (about 20 s).
@@ -33,9 +33,10 @@ import docker
 import pytest
 import yaml
 
-from tests.helpers import DEFAULT_RECIPE, ROOT, run_cli
-from tests.image_recipes import ACCEPT, changed_overlay, cli_env, made_images, remove_images, write_recipe_copy
-from tests.services import load_service_env
+from tests.helpers import run_cli
+from tools.image_recipes import ACCEPT, changed_overlay, cli_env, made_images, remove_images, write_recipe_copy
+from tools.services import load_service_env
+from tools.synthetic import DEFAULT_RECIPE, ROOT
 
 ATTENTION = "vllm/models/deepseek_v41/attention.py"
 SPARSE = "vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py"

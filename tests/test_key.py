@@ -13,8 +13,9 @@ import yaml
 from builder.key import key_material, runtime_key, short_key
 from builder.members import load_recipe_members
 from builder.recipe import load_recipe
-from tests.helpers import DEFAULT_RECIPE, ROOT, VLLM_PIN, run_cli, write_recipe
-from tests.services import load_service_env
+from tests.helpers import run_cli
+from tools.services import load_service_env
+from tools.synthetic import DEFAULT_RECIPE, ROOT, VLLM_PIN, write_recipe
 
 # Two small members, written out by hand (no tree needed: the key never reads it).
 DIFF_A = """diff --git a/vllm/a.py b/vllm/a.py

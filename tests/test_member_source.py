@@ -16,7 +16,8 @@ import pytest
 
 from builder.members import parse_member
 from builder.sources import generate, split_generated
-from tests.helpers import ROOT, git_diff, member_text, run_cli, snapshot, write_recipe
+from tests.helpers import run_cli, snapshot
+from tools.synthetic import ROOT, git_diff, member_text, write_recipe
 
 NAME = "sm120_decode_shape_selftest"
 OTHER = "sm120_swa_page_block_size"

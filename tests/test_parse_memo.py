@@ -11,7 +11,8 @@ import pytest
 from builder import members as M
 from builder.members import MemberError, ParseMemo, load_recipe_members
 from builder.recipe import load_recipe
-from tests.helpers import DEFAULT_RECIPE, member_text, run_cli, write_recipe
+from tests.helpers import run_cli
+from tools.synthetic import DEFAULT_RECIPE, member_text, write_recipe
 
 CRLF_AND_NO_NEWLINE = member_text(
     "diff --git a/vllm/x.py b/vllm/x.py\n"

@@ -16,7 +16,8 @@ import builder.pin
 from builder.errors import InputError
 from builder.pin import pinned_wheel
 from builder.recipe import WheelPin
-from tests.helpers import run_cli, write_recipe
+from tests.helpers import run_cli
+from tools.synthetic import write_recipe
 
 NAME = "demo-1.0-py3-none-any.whl"
 

@@ -13,8 +13,9 @@ import re
 
 import pytest
 
-from tests.checkpoints import write_v41_checkpoint
-from tests.helpers import DEFAULT_RECIPE, run_cli
+from tests.helpers import run_cli
+from tools.checkpoints import write_v41_checkpoint
+from tools.synthetic import DEFAULT_RECIPE
 
 PAGE_32 = "page_block_size 32 not in {64}"
 DECODE_1152 = "num_heads,topk (16, 1152) not in the set"

@@ -15,7 +15,8 @@ from builder.key import runtime_key
 from builder.members import load_recipe_members
 from builder.recipe import PipSettings, load_recipe
 from builder.render import render_image
-from tests.helpers import DEFAULT_RECIPE, ROOT, run_cli
+from tests.helpers import run_cli
+from tools.synthetic import DEFAULT_RECIPE, ROOT
 
 RK = "rk-" + "1" * 64
 

@@ -3,7 +3,7 @@
 Runs the module with the probe venv's python (vLLM and its dependencies,
 CPU torch) in two shadow trees of the installed vLLM: unpatched (the
 self-test file alone) and patched (the whole overlay). Checkpoints are
-synthetic DeepSeek-V4.1 config.json files (tests/checkpoints.py).
+synthetic DeepSeek-V4.1 config.json files (tools/checkpoints.py).
 
 The argv variations run in one interpreter (vLLM is imported once), through
 the module's own ``run()``; the CLI-level behaviour (exit codes, no device,
@@ -25,7 +25,7 @@ import pytest
 
 from builder.probe import TEXT_ONLY, SelftestRun, installed_vllm_dir, run_selftest
 from builder.probe_env import shadow_tree
-from tests.checkpoints import write_v41_checkpoint
+from tools.checkpoints import write_v41_checkpoint
 
 SELFTEST_MODULE = "vllm.models.deepseek_v41.nvidia.sm120_decode_shape_selftest"
 PAGE_32 = "page_block_size 32 not in {64}"

@@ -10,7 +10,7 @@ import zipfile
 from builder.apply import apply_members
 from builder.members import load_member
 from builder.tree import WheelTree
-from tests.helpers import git_diff, member_text
+from tools.synthetic import git_diff, member_text
 
 
 def test_record_hashes_are_the_entries_own(vllm_wheel, wheel_zip):

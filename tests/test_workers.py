@@ -13,7 +13,10 @@ from builder.members import ParseMemo
 from builder.recipe import load_recipe
 from builder.tree import pinned_tree
 from builder.workers import apply_to_dir, member_groups, partition
-from tests.helpers import git_diff, member_text, run_cli, snapshot, write_recipe
+
+# Real files of the pinned wheel, and what the members below do to them.
+from tests.helpers import run_cli, snapshot
+from tools.synthetic import git_diff, member_text, write_recipe
 
 # Real files of the pinned wheel, and what the members below do to them.
 FILES = [

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.helpers import DEFAULT_RECIPE, ROOT
+from tools.synthetic import DEFAULT_RECIPE, ROOT
 
 ACCEPT = "integration test: PyPI CUDA 13 wheels without torch on a CPU-only Debian base"
 # The hunk line of sm120_swa_page_block_size that a "member change" rewrites (a comment beside swa_block_size = 64).

@@ -1,4 +1,4 @@
-# vllm-overlay: make setup | image | check | key | members | overlay | dockerfile | probe | test | bench
+# vllm-overlay: make setup | image | check | key | members | overlay | dockerfile | probe | test | test-fast | bench
 PYTHON ?= python3
 RECIPE ?= recipes/v41-sm120.yaml
 VO = $(PYTHON) -m builder
@@ -16,7 +16,7 @@ ifneq ($(DOCKER_HOST),)
 export DOCKER_HOST
 endif
 
-.PHONY: setup image check key members overlay dockerfile probe probe-venv test bench
+.PHONY: setup image check key members overlay dockerfile probe probe-venv test test-fast bench
 
 setup:            ## fresh machine: Python deps, Debian packages, local services (needs root)
 	bash .ci/setup
@@ -47,8 +47,11 @@ probe:            ## the self-test's four-arm route table on two checkpoints (st
 	$(VO) probe $(RECIPE) --static -- $(SERVE_ARGV)
 	$(VO) probe $(RECIPE) --static -- $(SERVE_ARGV_RATIO2)
 
-test:             ## the whole suite, real components included
+test:             ## the whole suite, real components included (what CI runs)
 	$(PYTHON) -m pytest
+
+test-fast:        ## everything that needs no wheel, probe venv or local services (< 60 s)
+	$(PYTHON) -m pytest -m "not wheel and not probe and not services"
 
 bench:            ## speed and size figures beside the comparisons the issues name
 	$(PYTHON) bench/run.py

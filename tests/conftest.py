@@ -15,7 +15,36 @@ from builder.probe import SELFTEST_MEMBER
 from builder.probe_env import ensure_probe_venv
 from builder.recipe import load_recipe
 from builder.tree import pinned_tree
+from tools.services import load_service_env
 from tools.synthetic import DEFAULT_RECIPE, warm_cache_copy
+
+# What a test needs beyond this checkout, by the fixtures it uses (directly or through
+# others): `make test-fast` deselects these three, `make test` (and CI) runs everything.
+NEEDS = {
+    "vllm_wheel": "wheel",  # the pinned vLLM wheel (336 MB, fetched once into the cache)
+    "fi07_wheel": "wheel",  # FlashInfer 0.7.2.post1's wheel, fetched once
+    "probe_python": "probe",  # the probe venv: vLLM 0.30.0 with CPU torch, imported
+    "services": "services",  # dockerd, the registry and the package index (.ci/services.sh)
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "wheel: needs a pinned wheel (fetched once into the cache)")
+    config.addinivalue_line("markers", "probe: needs the probe venv (vLLM 0.30.0 imported)")
+    config.addinivalue_line("markers", "services: needs the local Docker engine, registry and index")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture in set(getattr(item, "fixturenames", ())) & NEEDS.keys():
+            item.add_marker(NEEDS[fixture])
+
+
+@pytest.fixture(scope="session")
+def services() -> dict[str, str]:
+    """The local services' coordinates (.ci/services.sh start writes them); never skipped."""
+    return load_service_env()
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,6 @@ import yaml
 
 from tests.helpers import run_cli
 from tools.image_recipes import ACCEPT, changed_overlay, cli_env, made_images, remove_images, write_recipe_copy
-from tools.services import load_service_env
 from tools.synthetic import DEFAULT_RECIPE, ROOT
 
 ATTENTION = "vllm/models/deepseek_v41/attention.py"
@@ -151,11 +150,6 @@ def cli_out(*args: object, env: dict[str, str] | None = None) -> str:
 
 
 # ---- fixtures -----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def services() -> dict[str, str]:
-    return load_service_env()
 
 
 @pytest.fixture(scope="module")

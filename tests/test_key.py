@@ -14,7 +14,6 @@ from builder.key import key_material, runtime_key, short_key
 from builder.members import load_recipe_members
 from builder.recipe import load_recipe
 from tests.helpers import run_cli
-from tools.services import load_service_env
 from tools.synthetic import DEFAULT_RECIPE, ROOT, VLLM_PIN, write_recipe
 
 # Two small members, written out by hand (no tree needed: the key never reads it).
@@ -131,12 +130,11 @@ def test_key_command_is_the_same_from_two_clones(tmp_path):
     assert short.stdout.strip() == hand_key()[3:19]
 
 
-def test_key_is_the_same_in_another_environment(tmp_path):
+def test_key_is_the_same_in_another_environment(tmp_path, services):
     """The closest to a second machine this one offers: a container of the test base image
     (Debian's Python build, not this one), the code copied to another path, another user,
     HOME, locale and time zone.  Its `key` of the default recipe and of the hand-made one
     must be this machine's."""
-    services = load_service_env()
     src = tmp_path / "src"
     for part in ("builder", "recipes", "overlay"):
         shutil.copytree(ROOT / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))

@@ -2,7 +2,8 @@
 # Real components for the integration tests and CI (issue 4):
 #   - dockerd from Debian's docker.io, on a private socket
 #   - Debian's docker-registry (distribution) on 127.0.0.1
-#   - a PEP 503 package index on 127.0.0.1 serving the pinned wheels
+#   - a PEP 503 package index on 127.0.0.1 serving the default recipe's pinned
+#     vllm and flashinfer wheels (python3 -m http.server over a directory)
 #   - a local base image with Python, made with mmdebstrap + docker import
 #
 # Usage by hand:   bash .ci/services.sh start|stop|status|env
@@ -14,6 +15,11 @@
 # `export NAME=VALUE` lines on stdout, so `eval "$(bash .ci/services.sh start)"`
 # works too. The same NAME=VALUE lines are written to $VO_ENV_FILE for tests
 # (tools/services.py reads it).
+#
+# This script keeps the daemon plumbing (packages, start/stop/wait, the env
+# file, the base image); port picking, the index's wheels and pages, and JSON
+# parsing are Python: `python3 -m tools.services pick-port|prepare-index|
+# json-field`, run from the repository root (tools/services.py).
 #
 # Settings (environment, all optional):
 #   VLLM_OVERLAY_CACHE        cache root (default ~/.cache/vllm-overlay);
@@ -32,6 +38,12 @@
 VO_STATE_DIR=${VO_STATE_DIR:-/run/vllm-overlay}
 VO_DATA_DIR=${VO_DATA_DIR:-/var/lib/vllm-overlay}
 VO_CACHE_DIR=${VLLM_OVERLAY_CACHE:-${HOME:-/root}/.cache/vllm-overlay}
+# Absolute, so they mean the same in the repository root, where Python runs.
+[[ $VO_STATE_DIR == /* ]] || VO_STATE_DIR=$PWD/$VO_STATE_DIR
+[[ $VO_DATA_DIR == /* ]] || VO_DATA_DIR=$PWD/$VO_DATA_DIR
+[[ $VO_CACHE_DIR == /* ]] || VO_CACHE_DIR=$PWD/$VO_CACHE_DIR
+# The checkout this script is in: tools/services.py is imported from there.
+VO_REPO=$(CDPATH= cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 VO_ENV_FILE=${VO_ENV_FILE:-$VO_STATE_DIR/env}
 VO_DOCKER_SOCK=$VO_STATE_DIR/docker.sock
 VO_BASE_IMAGE=${VO_BASE_IMAGE:-vllm-overlay-test/debian-python:bookworm}
@@ -39,16 +51,13 @@ VO_START_TIMEOUT=${VO_START_TIMEOUT:-60}
 # docker.io's client, not whatever `docker` comes first on PATH.
 VO_DOCKER_CLI=${VO_DOCKER_CLI:-/usr/bin/docker}
 
-# The pinned wheels the index serves: distribution name, version, file, sha256.
-# Keep in step with the default recipe's pins (REFERENCE.md, "The pinned trees").
-VO_WHEELS=(
-  "vllm 0.30.0 vllm-0.30.0-cp38-abi3-manylinux_2_28_x86_64.whl ef52ee58c410ead0b8afb190838fa4cbcb52075596f67862a03859d984966ac4"
-  "flashinfer-python 0.6.18.post1 flashinfer_python-0.6.18.post1-py3-none-any.whl adb6d2952b47131138e108bd2999b1fe18b71f1a4c0b2684f168753db9563991"
-)
-
 vo_log() { printf 'services: %s\n' "$*" >&2; }
 # One clear line, then leave the (sub)shell that runs the step.
 vo_die() { printf 'services: error: %s\n' "$*" >&2; exit 1; }
+
+# python3 -m tools.services ARGS... from the repository root (a subshell: the
+# caller's directory stays). It prints its own `services: error:` line.
+vo_py() { (cd "$VO_REPO" && python3 -m tools.services "$@"); }
 
 # Seconds since an epoch, with a fraction, for the timings printed.
 vo_now() { date +%s.%N; }
@@ -82,12 +91,15 @@ vo_spawn() {
 }
 
 # vo_wait NAME EXE LOG CHECK...: wait until CHECK succeeds; fail early if the
-# process died, naming the last line of its log.
+# process died, naming the last line of its log. The pid was just spawned, so
+# only its being alive is checked: right after the fork it is still a copy of
+# this shell, not yet EXE (matching EXE here made a slow exec look like death).
 vo_wait() {
-  local name=$1 exe=$2 log=$3 deadline=$((SECONDS + VO_START_TIMEOUT))
+  local name=$1 log=$3 deadline=$((SECONDS + VO_START_TIMEOUT)) pid
   shift 3
+  pid=$(<"$VO_STATE_DIR/$name.pid")
   until "$@" >/dev/null 2>&1; do
-    if ! vo_pid_alive "$name" "$exe"; then
+    if ! vo_pid_exists "$pid"; then
       vo_die "$name exited while starting: $(tail -n 1 "$log" 2>/dev/null) (log: $log)"
     fi
     ((SECONDS < deadline)) || vo_die "$name did not answer within ${VO_START_TIMEOUT}s (log: $log)"
@@ -117,28 +129,9 @@ vo_stop_one() {
   vo_log "$name: stopped (pid $pid)"
 }
 
-# Is TCP port $1 on 127.0.0.1 free to bind?
-vo_port_free() {
-  python3 - "$1" <<'EOF' 2>/dev/null
-import socket, sys
-s = socket.socket()
-# As the servers bind: a port held only by TIME_WAIT connections is free.
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-try:
-    s.bind(("127.0.0.1", int(sys.argv[1])))
-except OSError:
-    sys.exit(1)
-EOF
-}
-
-# vo_pick_port PREFERRED: PREFERRED if free, else the next free one above it.
-vo_pick_port() {
-  local p
-  for ((p = $1; p < $1 + 100; p++)); do
-    vo_port_free "$p" && { echo "$p"; return 0; }
-  done
-  vo_die "no free port on 127.0.0.1 in $1..$(($1 + 99))"
-}
+# vo_pick_port PREFERRED: PREFERRED if free on 127.0.0.1, else the next free
+# one above it (bound as the servers bind: with SO_REUSEADDR).
+vo_pick_port() { vo_py pick-port "$1"; }
 
 # --- 1. Debian packages ------------------------------------------------------
 
@@ -223,10 +216,10 @@ vo_start_dockerd() {
     --storage-driver "$driver" \
     --iptables=false --ip-masq=false --bridge=none
   vo_wait dockerd dockerd "$log" vo_docker_ping
-  local got
-  got=$(curl -sf --unix-socket "$VO_DOCKER_SOCK" http://docker/info |
-    python3 -c 'import json,sys; print(json.load(sys.stdin)["Driver"])') ||
+  local info got
+  info=$(curl -sf --unix-socket "$VO_DOCKER_SOCK" http://docker/info) ||
     vo_die "dockerd answers _ping but not /info (log: $log)"
+  got=$(vo_py json-field Driver <<<"$info") || exit 1
   [[ $got == "$driver" ]] || vo_die "dockerd runs with storage driver $got, asked for $driver (log: $log)"
   vo_log "dockerd: up in $(vo_since "$t0")s (pid $(<"$VO_STATE_DIR/dockerd.pid"), unix://$VO_DOCKER_SOCK, $got, log: $log)"
 }
@@ -277,68 +270,16 @@ EOF
 
 vo_index_root() { echo "$VO_CACHE_DIR/index"; }
 vo_index_addr() { cat "$VO_STATE_DIR/index.addr" 2>/dev/null; }
-vo_index_ping() {
-  local name
-  name=${VO_WHEELS[0]%% *}
-  curl -sf --max-time 2 "http://$(vo_index_addr)/simple/$name/" | grep -q 'href='
-}
+# The root page lists the pinned projects; it is written only once every
+# wheel is in place.
+vo_index_ping() { curl -sf --max-time 2 "http://$(vo_index_addr)/simple/" | grep -q 'href='; }
 
-# Download (once) and check the pinned wheels; lay out a PEP 503 tree:
+# Download (once) and check the default recipe's vllm and flashinfer wheels;
+# lay out a PEP 503 tree:
 #   index/files/<wheel>, index/simple/index.html, index/simple/<name>/index.html
 vo_prepare_index() {
-  local root files entry name version file sha have t0
-  root=$(vo_index_root)
-  files=$root/files
-  mkdir -p "$files" "$root/simple"
-  for entry in "${VO_WHEELS[@]}"; do
-    read -r name version file sha <<<"$entry"
-    have=""
-    [[ -f $files/$file ]] && have=$(sha256sum "$files/$file" | cut -d' ' -f1)
-    # The builder's pin cache (wheels/<sha256>/<file>) may hold it already.
-    local pinned=$VO_CACHE_DIR/wheels/$sha/$file
-    if [[ $have != "$sha" && -f $pinned ]] && [[ $(sha256sum "$pinned" | cut -d' ' -f1) == "$sha" ]]; then
-      ln -f "$pinned" "$files/$file" 2>/dev/null || cp -f "$pinned" "$files/$file"
-      have=$sha
-      vo_log "index: $file taken from the pin cache $pinned"
-    fi
-    if [[ $have == "$sha" ]]; then
-      vo_log "index: $file cached, sha256 ok"
-    else
-      [[ -n $have ]] && vo_log "index: $file cached with sha256 $have, expected $sha; downloading again"
-      t0=$(vo_now)
-      vo_log "index: downloading $name==$version with pip"
-      local tmp
-      tmp=$(mktemp -d "$root/.download.XXXXXX")
-      # The machine's pip constraints must not change which file is fetched.
-      PIP_CONSTRAINT='' python3 -m pip download -q --no-deps --only-binary=:all: \
-        -d "$tmp" "$name==$version" </dev/null >"$VO_STATE_DIR/pip-download.log" 2>&1 ||
-        { rm -rf "$tmp"; vo_die "pip download $name==$version failed: $(tail -n 1 "$VO_STATE_DIR/pip-download.log")"; }
-      [[ -f $tmp/$file ]] || { rm -rf "$tmp"; vo_die "pip download $name==$version did not give $file (got: $(cd "$tmp" && echo *))"; }
-      have=$(sha256sum "$tmp/$file" | cut -d' ' -f1)
-      [[ $have == "$sha" ]] || { rm -rf "$tmp"; vo_die "$file from PyPI has sha256 $have, expected $sha"; }
-      mv -f "$tmp/$file" "$files/$file"
-      rm -rf "$tmp"
-      vo_log "index: $file downloaded in $(vo_since "$t0")s, sha256 ok"
-    fi
-  done
-  # Write the simple pages from the pin list (cheap; keeps them in step).
-  {
-    echo '<!DOCTYPE html><html><body>'
-    for entry in "${VO_WHEELS[@]}"; do
-      read -r name _ <<<"$entry"
-      echo "<a href=\"$name/\">$name</a><br>"
-    done
-    echo '</body></html>'
-  } >"$root/simple/index.html"
-  for entry in "${VO_WHEELS[@]}"; do
-    read -r name version file sha <<<"$entry"
-    mkdir -p "$root/simple/$name"
-    {
-      echo '<!DOCTYPE html><html><body>'
-      echo "<a href=\"../../files/$file#sha256=$sha\">$file</a><br>"
-      echo '</body></html>'
-    } >"$root/simple/$name/index.html"
-  done
+  vo_py prepare-index --cache "$VO_CACHE_DIR" --root "$(vo_index_root)" \
+    --pip-log "$VO_STATE_DIR/pip-download.log" || exit 1
 }
 
 vo_start_index() {

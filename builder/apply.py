@@ -18,7 +18,7 @@ import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from builder.errors import InputError
+from builder.errors import HunkFailure, InputError
 from builder.members import FilePatch, Hunk, Member, split_lines
 from builder.tree import Tree
 
@@ -72,18 +72,6 @@ class MemberResult:
         return [*lines, f"applied {name}"]
 
 
-class HunkFailure(Exception):
-    """A file patch does not apply; carries what a conflict report needs."""
-
-    def __init__(self, path: str, hunk: Hunk | None, reason: str, at: int = 0) -> None:
-        super().__init__(reason)
-        self.path, self.hunk, self.reason, self.at = path, hunk, reason, at
-
-    def describe(self) -> str:
-        where = f"hunk {self.hunk.number} ({self.hunk.header})" if self.hunk else "file"
-        return f"{self.path}: {where}: {self.reason}"
-
-
 @dataclass(frozen=True)
 class FileChange:
     path: str
@@ -129,11 +117,15 @@ class Workspace:
             why = self.tree.check_writable(fp.path)
             if why:
                 raise InputError(
-                    f"{member.path}: member {member.name}: {fp.path}: writing through a symlink that leaves the tree ({why})"
+                    f"writing through a symlink that leaves the tree ({why})",
+                    file=member.path,
+                    member=member.name,
+                    path=fp.path,
                 )
 
     def try_member(self, member: Member) -> MemberResult:
-        """Apply ``member`` to copies of the current state; raise HunkFailure, commit nothing."""
+        """Apply ``member`` to copies of the current state; raise HunkFailure (or the tree's
+        InputError), commit nothing."""
         self.check_paths(member)
         result = MemberResult(member)
         for fp in member.files:
@@ -153,25 +145,15 @@ class Workspace:
         return tuple(out)
 
 
-class ApplyError(InputError):
-    """A member did not apply (or its tree could not be read); ``index``: its place in the list."""
-
-    def __init__(self, message: str, index: int) -> None:
-        super().__init__(message)
-        self.index = index
-
-
 def apply_members(tree: Tree, members: list[Member] | tuple[Member, ...]) -> OverlaySet:
-    """Every member in order, or an ApplyError naming the member, file and hunk that failed."""
+    """Every member in order, or an InputError naming the member, file and hunk that failed."""
     work = Workspace(tree)
     results = []
-    for index, member in enumerate(members):
+    for member in members:
         try:
             result = work.try_member(member)
-        except HunkFailure as failure:
-            raise ApplyError(f"{member.path}: member {member.name}: {failure.describe()}", index) from None
-        except InputError as exc:  # the tree's own: a corrupt entry, an escaping symlink
-            raise ApplyError(str(exc), index) from None
+        except InputError as exc:  # a hunk that does not apply, or the tree's own (a corrupt entry)
+            raise exc.located(file=member.path, member=member.name) from None
         work.commit(result)
         results.append(result)
     return OverlaySet(tuple(members), work.changes(), tuple(results))
@@ -332,7 +314,7 @@ def nearest_partial_match(lines: list[bytes], old: list[bytes], anchor: int) -> 
     n = len(old)
     best: tuple[int, int, int] | None = None  # (-equal, distance, pos)
     for pos in range(0, max(len(lines) - n, 0) + 1):
-        equal = sum(1 for a, b in zip(lines[pos : pos + n], old) if a == b)
+        equal = sum(1 for a, b in zip(lines[pos : pos + n], old, strict=False) if a == b)
         if equal == 0:
             continue
         key = (-equal, abs(pos - anchor), pos)
@@ -351,4 +333,7 @@ def _mismatch(lines: list[bytes], old: list[bytes], anchor: int) -> str:
             return (
                 f"does not apply at line {anchor + i + 1}: expected {want.decode('utf-8', 'replace')!r}, found {found}"
             )
-    return f"does not apply at line {anchor + 1}: its context is there but not at the start or end of the file as the hunk requires"
+    return (
+        f"does not apply at line {anchor + 1}: its context is there but not at the start or end of the file"
+        " as the hunk requires"
+    )

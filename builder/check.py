@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from builder.apply import HunkFailure, MemberResult, Workspace, nearest_partial_match
+from builder.apply import MemberResult, Workspace, nearest_partial_match
+from builder.errors import HunkFailure
 from builder.members import Member
 from builder.tree import Tree
 
@@ -87,13 +88,14 @@ def _check_one(work: Workspace, member: Member) -> tuple[MemberCheck, MemberResu
 
 def _conflict(work: Workspace, failure: HunkFailure) -> dict[str, Any]:
     out: dict[str, Any] = {"file": failure.path, "reason": failure.reason}
-    if failure.hunk is None:
+    hunk = failure.patch_hunk
+    if hunk is None:
         return out
     lines = work.state(failure.path).lines or []
-    expected = failure.hunk.old_lines
+    expected = hunk.old_lines
     out.update(
-        hunk=failure.hunk.number,
-        header=failure.hunk.header,
+        hunk=hunk.number,
+        header=hunk.header,
         line=failure.at + 1,
         expected=[_text(b) for b in expected],
         found=[_text(b) for b in lines[failure.at : failure.at + len(expected)]],
@@ -133,8 +135,10 @@ def render_table(report: CheckReport) -> str:
     for c in report.members + report.standalone:
         if c.conflict and "expected" in c.conflict:
             out.append("")
+            conflict = c.conflict
             out.append(
-                f"{c.name}: conflict in {c.conflict['file']} hunk {c.conflict['hunk']} {c.conflict['header']} at line {c.conflict['line']}"
+                f"{c.name}: conflict in {conflict['file']} hunk {conflict['hunk']} {conflict['header']}"
+                f" at line {conflict['line']}"
             )
             for want, got in _pairs(c.conflict["expected"], c.conflict["found"]):
                 mark = " " if want == got else "!"

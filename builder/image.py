@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from builder import __version__
-from builder.errors import InputError, OverlayError
+from builder.errors import CheckFailed, RegistryUnreachable, ServiceUnreachable
 from builder.key import short_key
-from builder.produced import append_row
+from builder.produced import append_row, find_row
 from builder.recipe import Recipe
 from builder.render import RenderedImage, context_tar, python_in_image
 
@@ -41,7 +41,7 @@ def docker_client():
         client = docker.from_env(use_ssh_client=host.startswith("ssh://"), timeout=600)
         client.ping()
     except DockerException as exc:
-        raise InputError(f"Docker engine at {host} cannot be reached: {str(exc).splitlines()[0]}") from None
+        raise ServiceUnreachable(f"Docker engine at {host} cannot be reached: {str(exc).splitlines()[0]}") from None
     return client
 
 
@@ -99,10 +99,6 @@ def in_registry(client, reference: str) -> str | None:
         raise RegistryUnreachable(f"registry lookup of {reference} failed: {exc.explanation or exc}") from None
 
 
-class RegistryUnreachable(OverlayError):
-    """The registry did not answer: whether the tag is there is unknown."""
-
-
 def build(client, recipe: Recipe, rendered: RenderedImage, files: dict[str, bytes], progress: Progress = _stderr):
     """Build the context, stream its steps, then add the labels only the built image can tell."""
     tags = tags_for(recipe, rendered)
@@ -149,13 +145,13 @@ def _build(client, context: bytes, tag: str, progress: Progress) -> str:
                         said = line.strip().removeprefix("vllm-overlay: ")
             if "error" in chunk:
                 detail = chunk.get("errorDetail", {}).get("message") or chunk["error"]
-                raise OverlayError(f"image build failed: {said or detail.strip().splitlines()[-1]}")
+                raise CheckFailed(f"image build failed: {said or detail.strip().splitlines()[-1]}")
             if "aux" in chunk and "ID" in chunk["aux"]:
                 image_id = chunk["aux"]["ID"]
     except APIError as exc:
-        raise OverlayError(f"image build failed: {exc.explanation or exc}") from None
+        raise CheckFailed(f"image build failed: {exc.explanation or exc}") from None
     if image_id is None:
-        raise OverlayError("image build finished without an image id")
+        raise CheckFailed("image build finished without an image id")
     return image_id
 
 
@@ -167,14 +163,14 @@ def _report(client, image_id: str, python: str) -> dict[str, str]:
     return json.loads(out.decode().strip().splitlines()[-1])
 
 
-def push(client, refs: list[str], progress: Progress = _stderr) -> str | None:
+def push_tags(client, refs: list[str], progress: Progress = _stderr) -> str | None:
     """Push each reference; return the registry digest of the pushed image."""
     for ref in refs:
         repo, tag = ref.rsplit(":", 1)
         progress(f"push {ref}")
         for chunk in client.api.push(repo, tag=tag, stream=True, decode=True):
             if "error" in chunk:
-                raise OverlayError(f"push of {ref} failed: {chunk['error']}")
+                raise CheckFailed(f"push of {ref} failed: {chunk['error']}")  # the engine tells no reason apart
             if chunk.get("status") in ("Pushed", "Layer already exists"):
                 progress(f"  {chunk.get('id', '')}: {chunk['status']}")
     return in_registry(client, refs[0])
@@ -195,3 +191,52 @@ def produced_row(recipe: Recipe, rendered: RenderedImage, reference: str, digest
 
 def record(recipe: Recipe, rendered: RenderedImage, reference: str, digest: str) -> None:
     append_row(produced_row(recipe, rendered, reference, digest))
+
+
+@dataclass(frozen=True)
+class Made:
+    """What ensure_image did: ``how`` is "engine" or "registry" (found by the image key:
+    nothing built) or "built"."""
+
+    reference: str  # REPO:rk-<short runtime key>
+    image_key: str
+    how: str
+    digest: str | None  # the registry digest (found or pushed), else the local image id
+
+
+def ensure_image(
+    recipe: Recipe,
+    rendered: RenderedImage,
+    files: dict[str, bytes],
+    *,
+    push: bool = False,
+    progress: Progress = _stderr,
+) -> Made:
+    """The image for ``rendered``'s image key: an image this builder made for it in the
+    engine, or its ik- tag in the registry, else a build.  Tagged, pushed if asked, and
+    recorded in the produced rows once (only after success)."""
+    tags = tags_for(recipe, rendered)
+    client = docker_client()
+    built = local_image(client, rendered.image_key)
+    digest = None
+    if built is None and registry_of(recipe.image.repository):
+        try:
+            digest = in_registry(client, tags.image)
+        except RegistryUnreachable as exc:
+            progress(f"warning: {exc}; building")
+    if built is not None:
+        how = "engine"
+        progress(f"up to date: an image with image key {rendered.image_key} is in the engine ({built.id})")
+        tag_all(built, tags)  # this repository's tags may be missing (another repository built it)
+    elif digest is not None:
+        how = "registry"
+        progress(f"up to date: {tags.image} is in the registry ({digest})")
+    else:
+        how = "built"
+        progress(f"building {tags.runtime} (image key {rendered.image_key})")
+        built = build(client, recipe, rendered, files, progress)
+    if push and built is not None:
+        digest = push_tags(client, tags.all(), progress)
+    if find_row(rendered.image_key) is None:
+        record(recipe, rendered, tags.runtime, digest or built.id)
+    return Made(tags.runtime, rendered.image_key, how, digest or (built.id if built is not None else None))

@@ -10,19 +10,14 @@ unidiff reads the file-level facts: paths, extended headers, binary patches.
 from __future__ import annotations
 
 import hashlib
-import marshal
 import os
 import re
-import struct
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import unidiff
 
 from builder.errors import InputError
-from builder.pin import atomic_write, cache_root
 from builder.recipe import MEMBER_NAME_RE, Recipe
 
 # DEP-3 fields plus the Yocto Upstream-Status and our Standalone flag.
@@ -65,7 +60,7 @@ UNSUPPORTED_HEADERS = {"rename from ": "a rename", "copy from ": "a copy", "old 
 
 class Hunk(NamedTuple):
     """One hunk: its header's numbers, its lines, and what apply asks of it, worked out once
-    when the member is parsed (and kept in the parse memo with it).  Make one with hunk()."""
+    when the member is parsed.  Make one with hunk()."""
 
     number: int  # 1-based within its file
     old_start: int
@@ -169,10 +164,6 @@ class Member(NamedTuple):
         return Member(self.name, self.path, self.fields, tuple(f.reversed() for f in self.files), self.digest)
 
 
-class MemberError(InputError):
-    pass
-
-
 def split_lines(data: bytes) -> list[bytes]:
     """Split on "\n" only, keeping it: a "\r" is part of a line, as in git."""
     if b"\r" not in data:
@@ -184,9 +175,7 @@ def split_lines(data: bytes) -> list[bytes]:
     return lines
 
 
-def load_member(
-    path: Path, name: str | None = None, memo: ParseMemo | None = None, data: bytes | None = None
-) -> Member:
+def load_member(path: Path, name: str | None = None, data: bytes | None = None) -> Member:
     """Parse ``path``; ``name`` (from the recipe) must match ``[a-z0-9_]+`` and the file name.
     ``data``: the file's bytes, when the caller has read them (a recipe has checked its
     members' names, and so their file names)."""
@@ -199,8 +188,6 @@ def load_member(
         from builder.sources import check_generated
 
         check_generated(path, name, data)
-    if memo is not None:
-        return memo.member(name, path, data)
     return parse_member(name, path, data)
 
 
@@ -208,19 +195,25 @@ def member_bytes(path: Path, name: str) -> bytes:
     """The bytes of member ``name``'s file, once its name and file name are checked."""
     file_name = path.name
     if not MEMBER_NAME_RE.fullmatch(name):
-        raise MemberError(f"{path}: member name {name!r} does not match [a-z0-9_]+")
+        raise InputError(f"member name {name!r} does not match [a-z0-9_]+", file=path)
     if file_name != f"{name}.patch":
-        raise MemberError(f"{path}: member {name}: file name must be {name}.patch")
+        raise InputError(f"file name must be {name}.patch", file=path, member=name)
     try:
         return read_file(path)
     except FileNotFoundError:
-        raise MemberError(f"{path}: member {name}: no such member file") from None
+        raise InputError("no such member file", file=path, member=name) from None
     except OSError as exc:
-        raise MemberError(f"{path}: member {name}: cannot read: {exc}") from None
+        raise InputError(f"cannot read: {exc}", file=path, member=name) from None
 
 
 def parse_member(name: str, path: Path, data: bytes) -> Member:
-    return _unpack(name, path, _parse(name, path, data))
+    """Parse a member's bytes; an InputError names its file, the member and the line."""
+    try:
+        fields, files, digest = _parse(data)
+    except InputError as exc:
+        raise exc.located(file=path, member=name) from None
+    patches = tuple(FilePatch(old, new, mode, hunks) for old, new, mode, hunks in files)
+    return Member(name, path, fields, patches, digest)
 
 
 def read_file(path: Path | str) -> bytes:
@@ -239,158 +232,24 @@ def read_file(path: Path | str) -> bytes:
         os.close(fd)
 
 
-# A parsed member as plain data (what the parse memo keeps): (fields, files, digest of the
-# normalized diff), a file being (old path, new path, new mode, hunks), a hunk a Hunk's fields.
-Packed = tuple[dict, tuple, str]
-
-
-def _parse(name: str, path: Path, data: bytes) -> Packed:
-    where = f"{path}: member {name}"
+def _parse(data: bytes) -> tuple[dict[str, list[str]], tuple[tuple, ...], str]:
+    """(header fields, file patches as tuples, digest of the normalized diff)."""
     # Lines stay bytes: hunk lines are kept exactly; only the few structural lines are decoded.
     lines = split_lines(data)
     start = next((i for i, line in enumerate(lines) if line.startswith(b"diff --git ")), None)
     if start is None:
-        raise MemberError(f"{where}: no git-style diff (no line starts with 'diff --git ')")
-    fields = _parse_header([_text(line) for line in lines[:start]], where)
-    hunks, file_headers = _walk(lines, start, where)
-    files = _file_patches(file_headers, hunks, where)
+        raise InputError("no git-style diff (no line starts with 'diff --git ')")
+    fields = _parse_header([_text(line) for line in lines[:start]])
+    hunks, file_headers = _walk(lines, start)
+    files = _file_patches(file_headers, hunks)
     return fields, files, hashlib.sha256(_normalize(files)).hexdigest()
-
-
-def _unpack(name: str, path: Path, packed: Packed) -> Member:
-    fields, files, digest = packed
-    make = Hunk._make
-    return Member(
-        name,
-        path,
-        fields,
-        tuple(FilePatch(old, new, mode, tuple(map(make, hunks))) for old, new, mode, hunks in files),
-        digest,
-    )
-
-
-class ParseMemo:
-    """Members parsed before, by the sha256 of this parser and the member's bytes.
-
-    Kept in the cache so that an unchanged member is not parsed again, as
-    Python keeps .pyc files: parsing is most of the time of applying many
-    small members.  There is one memo file per recipe file, holding the
-    members its last run parsed, so a run reads only its own.  Only what
-    parsed cleanly is remembered, and only ``save()`` writes, which the
-    command calls once it has succeeded: a run that fails leaves the cache
-    as it was.  The file holds marshalled dicts: this process's, and what
-    each worker process (builder.workers) parsed anew, written as the bytes
-    it sent, never loaded and dumped again.
-    """
-
-    KEEP_DAYS = 30  # a memo not rewritten for this long goes (temporary recipes, tests')
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.seen: dict[bytes, tuple] | None = None  # read on first use
-        self.used: dict[bytes, tuple] = {}
-        self.parsed: set[bytes] = set()  # the entries of ``used`` this run parsed anew
-        self.parts: list[bytes | bytearray] = []  # what workers parsed anew, marshalled (merge)
-
-    @classmethod
-    def for_recipe(cls, recipe: Recipe, root: Path | None = None) -> ParseMemo:
-        where = hashlib.sha256(str(recipe.path.resolve()).encode()).hexdigest()[:16]
-        return cls((root or cache_root()) / "members" / f"{where}.marshal")
-
-    def member(self, name: str, path: Path, data: bytes) -> Member:
-        digest = hashlib.sha256(_parser_id() + data).digest()
-        packed = self._entries().get(digest)
-        if packed is not None:
-            try:
-                member = _unpack(name, path, packed)
-                self.used[digest] = packed
-                return member
-            except (TypeError, ValueError):
-                pass  # not what this parser writes: parse again
-        packed = _parse(name, path, data)
-        self.used[digest] = packed
-        self.parsed.add(digest)
-        return _unpack(name, path, packed)
-
-    def export(self) -> tuple[list[bytes], bytes]:
-        """Hand over what this process used, for merge() into the memo of the run that
-        forked the worker processes (builder.workers), and forget it here: the digests of
-        remembered members, and the members parsed anew, marshalled."""
-        remembered = [d for d in self.used if d not in self.parsed]
-        parsed = marshal.dumps({d: self.used[d] for d in self.parsed}) if self.parsed else b""
-        self.used, self.parsed = {}, set()
-        return remembered, parsed
-
-    def merge(self, remembered: list[bytes], parsed: bytes | bytearray) -> None:
-        seen = self._entries()
-        self.used.update((d, seen[d]) for d in remembered if d in seen)
-        if parsed:
-            self.parts.append(parsed)
-
-    def _entries(self) -> dict[bytes, tuple]:
-        if self.seen is None:
-            self.seen = {}
-            try:
-                for part in _frames(self.path.read_bytes()):
-                    entries = marshal.loads(part)
-                    if not isinstance(entries, dict):
-                        raise TypeError("not a parse memo")
-                    self.seen.update(entries)
-            except (OSError, ValueError, EOFError, TypeError, struct.error):
-                self.seen = {}  # absent or unreadable: start afresh
-        return self.seen
-
-    def save(self) -> None:
-        """Keep exactly the members this run used, if it parsed any anew."""
-        if not (self.parsed or self.parts):
-            return
-        try:
-            parts = [marshal.dumps(self.used), *self.parts]
-            atomic_write(self.path, [piece for part in parts for piece in (_FRAME.pack(len(part)), part)])
-            cutoff = time.time() - self.KEEP_DAYS * 86400
-            for other in os.scandir(self.path.parent):
-                if other.name.endswith(".marshal") and other.stat().st_mtime < cutoff:
-                    os.unlink(other.path)
-        except OSError:
-            pass  # a read-only cache only costs parsing again next time
-        self.parsed.clear()
-        self.parts.clear()
-
-
-# The memo file: parts, each its length (8 bytes, little-endian) and then a marshalled dict.
-_FRAME = struct.Struct("<Q")
-
-
-def _frames(data: bytes) -> Iterator[memoryview]:
-    view, at = memoryview(data), 0
-    while at < len(data):
-        (size,) = _FRAME.unpack_from(data, at)
-        at += _FRAME.size
-        if at + size > len(data):
-            raise ValueError("truncated")
-        yield view[at : at + size]
-        at += size
-
-
-_PARSER_ID: list[bytes] = []
-
-
-def _parser_id() -> bytes:
-    """This module's source and unidiff's version: a changed parser never reads old entries."""
-    if not _PARSER_ID:
-        try:
-            source = Path(__file__).read_bytes()
-        except OSError:
-            source = b"unknown"
-        _PARSER_ID.append(hashlib.sha256(source + unidiff.VERSION.encode()).digest())
-    return _PARSER_ID[0]
 
 
 def _text(line: bytes) -> str:
     return line.decode("utf-8", "surrogateescape")
 
 
-def _parse_header(lines: list[str], where: str) -> dict[str, list[str]]:
+def _parse_header(lines: list[str]) -> dict[str, list[str]]:
     fields: dict[str, list[str]] = {}
     last: str | None = None
     for number, raw in enumerate(lines, start=1):
@@ -400,46 +259,46 @@ def _parse_header(lines: list[str], where: str) -> dict[str, list[str]]:
             continue
         if line[0] in " \t":
             if last is None:
-                raise MemberError(f"{where}: header line {number}: continuation line with no field before it")
+                raise InputError("header: continuation line with no field before it", line=number)
             fields[last][-1] += "\n" + line.strip()
             continue
         match = HEADER_FIELD_RE.fullmatch(line)
         if not match:
-            raise MemberError(f"{where}: header line {number}: expected 'Field: value', got {line[:60]!r}")
+            raise InputError(f"header: expected 'Field: value', got {line[:60]!r}", line=number)
         name, value = match.group(1), match.group(2).strip()
         if name not in SINGLE_FIELDS and name not in REPEATABLE_FIELDS:
-            raise MemberError(f"{where}: header line {number}: unknown field {name!r}")
+            raise InputError(f"header: unknown field {name!r}", line=number)
         if name in SINGLE_FIELDS and name in fields:
-            raise MemberError(f"{where}: header line {number}: field {name!r} given twice")
+            raise InputError(f"header: field {name!r} given twice", line=number)
         fields.setdefault(name, []).append(value)
         last = name
-    _check_fields(fields, where)
+    _check_fields(fields)
     return fields
 
 
-def _check_fields(fields: dict[str, list[str]], where: str) -> None:
+def _check_fields(fields: dict[str, list[str]]) -> None:
     if not fields.get("Description", [""])[0].strip():
-        raise MemberError(f"{where}: header: missing Description")
+        raise InputError("header: missing Description")
     if "Origin" not in fields and "Author" not in fields:
-        raise MemberError(f"{where}: header: needs an Origin or an Author field")
+        raise InputError("header: needs an Origin or an Author field")
     status = fields.get("Upstream-Status")
     if status is None:
-        raise MemberError(f"{where}: header: missing Upstream-Status")
+        raise InputError("header: missing Upstream-Status")
     if not UPSTREAM_STATUS_RE.fullmatch(status[0]):
-        raise MemberError(
-            f"{where}: header: malformed Upstream-Status {status[0]!r} (expected Pending, Submitted [where], "
+        raise InputError(
+            f"header: malformed Upstream-Status {status[0]!r} (expected Pending, Submitted [where], "
             "Backport, Denied, Inactive-Upstream or Inappropriate [reason])"
         )
     if "Last-Update" in fields and not DATE_RE.fullmatch(fields["Last-Update"][0]):
-        raise MemberError(f"{where}: header: malformed Last-Update {fields['Last-Update'][0]!r} (expected YYYY-MM-DD)")
+        raise InputError(f"header: malformed Last-Update {fields['Last-Update'][0]!r} (expected YYYY-MM-DD)")
     if "Standalone" in fields and fields["Standalone"][0] not in ("yes", "no"):
-        raise MemberError(f"{where}: header: Standalone must be 'yes' or 'no', got {fields['Standalone'][0]!r}")
+        raise InputError(f"header: Standalone must be 'yes' or 'no', got {fields['Standalone'][0]!r}")
     for name, values in fields.items():
         if any(not value.strip() for value in values):
-            raise MemberError(f"{where}: header: field {name!r} is empty")
+            raise InputError(f"header: field {name!r} is empty")
 
 
-def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[tuple]], list[str]]:
+def _walk(lines: list[bytes], start: int) -> tuple[list[list[tuple]], list[str]]:
     """Walk the diff as git apply would, refuse every line it would not account for, and
     collect each file's hunks, as the fields of a Hunk, with the exact bytes of their lines.
     Also returns the file-level lines (everything outside the hunks): what unidiff reads."""
@@ -463,20 +322,20 @@ def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[tuple]]
         if line.startswith("diff --git "):
             in_hunk = False
             hunk_no = 0
-            file_label = _git_line_path(line, where, index)
+            file_label = _git_line_path(line, index)
             files.append([])
             file_headers.append(text)
             continue
         if line.startswith("@@"):
             match = HUNK_HEADER_RE.fullmatch(line)
             if not match:
-                raise MemberError(f"{where}: line {index}: malformed hunk header {line[:80]!r}")
+                raise InputError(f"malformed hunk header {line[:80]!r}", line=index)
             # a count left out of the header is 1, as in "@@ -0,0 +1 @@"
             old_start, old_count, new_start, new_count = match.groups()
             old_start, new_start = int(old_start), int(new_start)
             old_left, new_left = int(old_count) if old_count else 1, int(new_count) if new_count else 1
             if old_left == new_left == 0:
-                raise MemberError(f"{where}: line {index}: hunk header {line!r} has no lines")
+                raise InputError(f"hunk header {line!r} has no lines", line=index)
             in_hunk = True
             hunk_no += 1
             body = []
@@ -484,9 +343,7 @@ def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[tuple]]
             # the body: exactly as many lines as the header counts
             while old_left or new_left:
                 if index >= count:
-                    raise MemberError(
-                        f"{where}: line {count}: hunk {hunk_no} of {file_label} is shorter than its header says"
-                    )
+                    raise InputError(f"hunk {hunk_no} of {file_label} is shorter than its header says", line=count)
                 raw = lines[index]
                 index += 1
                 kind = raw[:1]
@@ -508,38 +365,31 @@ def _walk(lines: list[bytes], start: int, where: str) -> tuple[list[list[tuple]]
                     _no_newline(body)
                     continue
                 else:
-                    raise MemberError(
-                        f"{where}: line {index}: hunk {hunk_no} of {file_label} is shorter than its header says"
-                    )
+                    raise InputError(f"hunk {hunk_no} of {file_label} is shorter than its header says", line=index)
                 if old_left < 0 or new_left < 0:
-                    raise MemberError(
-                        f"{where}: line {index}: hunk {hunk_no} of {file_label} has more lines than its header says"
-                    )
+                    raise InputError(f"hunk {hunk_no} of {file_label} has more lines than its header says", line=index)
             continue
         if in_hunk:
-            raise MemberError(
-                f"{where}: line {index}: hunk {hunk_no} of {file_label} has more lines than its header says"
-            )
+            raise InputError(f"hunk {hunk_no} of {file_label} has more lines than its header says", line=index)
         if line.startswith(("--- ", "+++ ")):
             side = "a/" if line[0] == "-" else "b/"
             named = line[4:].split("\t")[0]
             if named not in (side + file_label, "/dev/null"):
-                raise MemberError(
-                    f"{where}: line {index}: {line[:4]}{named!r} does not match the 'diff --git' line (expected {side}{file_label} or /dev/null)"
-                )
+                expected = f"expected {side}{file_label} or /dev/null"
+                raise InputError(f"{line[:4]}{named!r} does not match the 'diff --git' line ({expected})", line=index)
             file_headers.append(text)
             continue
         if line.startswith("GIT binary patch") or line.startswith("Binary files "):
-            raise MemberError(f"{where}: line {index}: {file_label}: binary diffs are not supported")
+            raise InputError("binary diffs are not supported", line=index, path=file_label)
         for prefix, what in UNSUPPORTED_HEADERS.items():
             if line.startswith(prefix):
-                raise MemberError(
-                    f"{where}: line {index}: {file_label}: {what} is not supported (write a deletion and a new file)"
+                raise InputError(
+                    f"{what} is not supported (write a deletion and a new file)", line=index, path=file_label
                 )
         if not line.startswith(GIT_HEADER_PREFIXES):
-            raise MemberError(f"{where}: line {index}: unexpected line in the header of {file_label}: {line[:60]!r}")
+            raise InputError(f"unexpected line in the header of {file_label}: {line[:60]!r}", line=index)
         file_headers.append(text)
-    return [[tuple(hunk(*spec[:5], tuple(spec[5]))) for spec in hunks] for hunks in files], file_headers
+    return [[hunk(*spec[:5], tuple(spec[5])) for spec in hunks] for hunks in files], file_headers
 
 
 def _no_newline(body: list[tuple[str, bytes]]) -> None:
@@ -549,70 +399,71 @@ def _no_newline(body: list[tuple[str, bytes]]) -> None:
         body[-1] = (kind, text[:-1] if text.endswith(b"\n") else text)
 
 
-def _git_line_path(line: str, where: str, index: int) -> str:
+def _git_line_path(line: str, index: int) -> str:
     """The one path a "diff --git a/P b/P" line (line ``index``) names (renames and copies are refused)."""
     rest = line[len("diff --git ") :]
     half = (len(rest) - 1) // 2
     old, new = rest[:half], rest[half + 1 :]
     if rest[half : half + 1] == " " and old.startswith("a/") and new.startswith("b/") and old[2:] == new[2:]:
         return old[2:]  # the usual line (its halves then cannot read as a rename below)
-    here = f"{where}: line {index}"
     match = _TWO_PATHS_RE.fullmatch(rest)
     if match and match.group(1) != match.group(2):
-        raise MemberError(
-            f"{here}: {match.group(1)} -> {match.group(2)}: renames and copies are not supported (write a deletion and a new file)"
+        raise InputError(
+            "renames and copies are not supported (write a deletion and a new file)",
+            line=index,
+            path=f"{match.group(1)} -> {match.group(2)}",
         )
     if rest[half : half + 1] != " " or not old.startswith("a/") or not new.startswith("b/") or old[2:] != new[2:]:
-        raise MemberError(f"{here}: expected 'diff --git a/PATH b/PATH' naming one path, got {line[:80]!r}")
+        raise InputError(f"expected 'diff --git a/PATH b/PATH' naming one path, got {line[:80]!r}", line=index)
     return old[2:]
 
 
-def _tree_path(raw: str, prefix: str, where: str) -> str | None:
+def _tree_path(raw: str, prefix: str) -> str | None:
     if raw == "/dev/null":
         return None
     if "\0" in raw:
-        raise MemberError(f"{where}: path {raw!r} contains a NUL byte")
+        raise InputError(f"path {raw!r} contains a NUL byte")
     if not raw.startswith(prefix):
-        raise MemberError(f"{where}: path {raw!r} lacks the git prefix {prefix!r}")
+        raise InputError(f"path {raw!r} lacks the git prefix {prefix!r}")
     path = raw[len(prefix) :]
     wrapped = f"/{path}/"  # a part that is "", "." or "..", at either end too
     if not path or "//" in wrapped or "/./" in wrapped or "/../" in wrapped or "\\" in path:
-        raise MemberError(f"{where}: path {path!r} is outside the tree (absolute, '..', or empty parts)")
+        raise InputError(f"path {path!r} is outside the tree (absolute, '..', or empty parts)")
     return path
 
 
-def _file_patches(file_headers: list[str], hunks: list[list[tuple]], where: str) -> tuple[tuple, ...]:
+def _file_patches(file_headers: list[str], hunks: list[list[tuple]]) -> tuple[tuple, ...]:
     """File-level facts from unidiff (paths, extended headers); hunks from the strict walk."""
     try:
         patch_set = unidiff.PatchSet(file_headers, metadata_only=True)
     except unidiff.UnidiffParseError as exc:
-        raise MemberError(f"{where}: malformed diff: {exc}") from None
+        raise InputError(f"malformed diff: {exc}") from None
     files: list[tuple] = []
     seen: set[str] = set()
     if len(patch_set) != len(hunks):
-        raise MemberError(f"{where}: unidiff read {len(patch_set)} file patches where the diff has {len(hunks)}")
-    for patched, file_hunks in zip(patch_set, hunks):
+        raise InputError(f"unidiff read {len(patch_set)} file patches where the diff has {len(hunks)}")
+    for patched, file_hunks in zip(patch_set, hunks, strict=True):
         info = [str(line) for line in patched.patch_info]
-        new_mode = next((l.split()[-1] for l in info if l.startswith("new file mode ")), None)
+        new_mode = next((i.split()[-1] for i in info if i.startswith("new file mode ")), None)
         if new_mode is not None and new_mode not in ("100644", "100755"):
-            raise MemberError(
-                f"{where}: {patched.path}: file mode {new_mode} is not supported (symlinks and submodules are refused)"
+            raise InputError(
+                f"file mode {new_mode} is not supported (symlinks and submodules are refused)", path=patched.path
             )
-        old_path = _tree_path(patched.source_file, "a/", where)
-        new_path = _tree_path(patched.target_file, "b/", where)
+        old_path = _tree_path(patched.source_file, "a/")
+        new_path = _tree_path(patched.target_file, "b/")
         if old_path is None and new_path is None:
-            raise MemberError(f"{where}: a file patch has /dev/null on both sides")
+            raise InputError("a file patch has /dev/null on both sides")
         if old_path and new_path and old_path != new_path:
-            raise MemberError(f"{where}: {old_path} -> {new_path}: renames are not supported")
+            raise InputError(f"{old_path} -> {new_path}: renames are not supported")
         path = new_path or old_path
         diff_line = info[0].strip() if info else ""
         if diff_line != f"diff --git a/{path} b/{path}":
-            raise MemberError(f"{where}: {path}: 'diff --git' line does not name the same path: {diff_line[:80]!r}")
+            raise InputError(f"'diff --git' line does not name the same path: {diff_line[:80]!r}", path=path)
         if path in seen:
-            raise MemberError(f"{where}: {path} is patched twice in one member")
+            raise InputError(f"{path} is patched twice in one member")
         seen.add(path)
         if not file_hunks:
-            raise MemberError(f"{where}: {path}: no hunks")
+            raise InputError("no hunks", path=path)
         files.append((old_path, new_path, new_mode, tuple(file_hunks)))
     return tuple(files)
 
@@ -641,6 +492,6 @@ def _normalize(files: tuple[tuple, ...]) -> bytes:
 _KIND_BYTES = {" ": b" ", "-": b"-", "+": b"+"}
 
 
-def load_recipe_members(recipe: Recipe, memo: ParseMemo | None = None) -> tuple[Member, ...]:
+def load_recipe_members(recipe: Recipe) -> tuple[Member, ...]:
     """The recipe's members, in its order, each parsed and validated."""
-    return tuple(load_member(recipe.member_path(name), name, memo) for name in recipe.members)
+    return tuple(load_member(recipe.member_path(name), name) for name in recipe.members)

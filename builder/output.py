@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from builder import __version__
 from builder.apply import FileChange, OverlaySet
-from builder.errors import InputError
+from builder.cache import replacing
 from builder.members import Member
-from builder.recipe import Recipe
+from builder.recipe import Recipe, WheelPin
 from builder.tree import Tree
 
 MANIFEST = "manifest.json"
@@ -25,9 +23,18 @@ MANIFEST_FORMAT = 1
 
 
 def manifest(recipe: Recipe, overlay: OverlaySet, key: str) -> dict[str, Any]:
-    return manifest_of_rows(
-        recipe, key, [member_row(m) for m in overlay.members], [file_row(c) for c in overlay.changes]
-    )
+    def pin(p: WheelPin) -> dict[str, str]:
+        return {"project": p.project, "version": p.version, "wheel": p.wheel, "sha256": p.sha256}
+
+    return {
+        "format": MANIFEST_FORMAT,
+        "builder": __version__,
+        "recipe": recipe.name,
+        "runtime_key": key,
+        "pins": {"vllm": pin(recipe.vllm), "flashinfer": pin(recipe.flashinfer)},
+        "members": [member_row(m) for m in overlay.members],
+        "files": [file_row(c) for c in overlay.changes],
+    }
 
 
 def member_row(member: Member) -> dict[str, Any]:
@@ -48,35 +55,14 @@ def file_row(change: FileChange) -> dict[str, Any]:
     }
 
 
-def manifest_of_rows(
-    recipe: Recipe, key: str, members: list[dict[str, Any]], files: list[dict[str, Any]]
-) -> dict[str, Any]:
-    def pin(p):
-        return {"project": p.project, "version": p.version, "wheel": p.wheel, "sha256": p.sha256}
-
-    return {
-        "format": MANIFEST_FORMAT,
-        "builder": __version__,
-        "recipe": recipe.name,
-        "runtime_key": key,
-        "pins": {"vllm": pin(recipe.vllm), "flashinfer": pin(recipe.flashinfer)},
-        "members": members,
-        "files": files,
-    }
-
-
-class EncodedRow(str):
-    """A row of one of the manifest's lists, already encoded (json.dumps) by a worker process."""
-
-
 def manifest_bytes(data: dict[str, Any]) -> bytes:
     """Indented JSON, except that a list of rows (members, files) has one row per line: that
     reads better for hundreds of files, and the rows go through json's C encoder, which an
     indented dump never uses."""
     fields = []
     for key, value in data.items():
-        if isinstance(value, list) and value and all(isinstance(row, (dict, EncodedRow)) for row in value):
-            rows = ",\n    ".join(row if isinstance(row, EncodedRow) else json.dumps(row) for row in value)
+        if isinstance(value, list) and value and all(isinstance(row, dict) for row in value):
+            rows = ",\n    ".join(json.dumps(row) for row in value)
             fields.append(f"  {json.dumps(key)}: [\n    {rows}\n  ]")
         else:
             fields.append(f"  {json.dumps(key)}: " + json.dumps(value, indent=2).replace("\n", "\n  "))
@@ -84,8 +70,7 @@ def manifest_bytes(data: dict[str, Any]) -> bytes:
 
 
 def write_overlay(out: Path, overlay: OverlaySet, manifest_data: dict[str, Any]) -> None:
-    """Only the touched files plus manifest.json, from one process's overlay set (what
-    builder.workers writes from several)."""
+    """Only the touched files plus manifest.json."""
     with replacing(out) as tmp:
         writer = Writer(tmp)
         write_changes(writer, overlay.changes)
@@ -120,8 +105,7 @@ def write_files(out: Path, files: dict[str, bytes]) -> None:
 
 class Writer:
     """New files under a fresh directory, with plain os calls: hundreds of files are written
-    per apply, and pathlib's per-call overhead was a third of the time.  Several writers (in
-    worker processes) may share the directory, each writing its own files."""
+    per apply, and pathlib's per-call overhead was a third of the time."""
 
     def __init__(self, root: Path) -> None:
         self.root = str(root)
@@ -155,31 +139,3 @@ class Writer:
             os.close(fd)
         if mode is not None:
             os.chmod(dest, mode)  # exactly this mode, whatever the umask
-
-
-class replacing:
-    """Context manager: yield a temp dir beside ``out``; on success swap it in for ``out``."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    def __enter__(self) -> Path:
-        out = self.out
-        if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / MANIFEST).is_file())):
-            raise InputError(f"{out}: exists and is not an earlier vllm-overlay output; refusing to replace it")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return
-        self.tmp.chmod(0o755)
-        old = None
-        if self.out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old.", dir=self.out.parent))
-            os.replace(self.out, old / "x")
-        os.replace(self.tmp, self.out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)

@@ -1,12 +1,9 @@
 """Pin: fetch a pinned wheel once, verify its sha256, keep it in a content-addressed cache.
 
-Layout under the cache root::
-
-    wheels/<sha256>/<wheel file name>   the verified wheel (written to a temp name, renamed)
-    verified.json                       path -> (size, mtime_ns, sha256) of files already hashed
-
-The memo lets a warm run trust a wheel it has hashed before without reading
-336 MB again; any change of size or mtime makes it hash again.
+The wheel is kept at ``wheels/<sha256>/<wheel file name>`` under the cache
+root (builder.cache), written to a temp name and renamed once verified.  The
+cache's verified-hash memo lets a warm run trust a wheel it has hashed before
+without reading 336 MB again; any change of size or mtime makes it hash again.
 """
 
 from __future__ import annotations
@@ -22,61 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from builder.errors import InputError, OverlayError
+from builder.cache import HashMemo, cache_root
+from builder.errors import InputError, ServiceUnreachable
 from builder.recipe import WheelPin
 
 CHUNK = 1 << 20
-
-
-def cache_root() -> Path:
-    """$VLLM_OVERLAY_CACHE, else $XDG_CACHE_HOME/vllm-overlay, else ~/.cache/vllm-overlay."""
-    explicit = os.environ.get("VLLM_OVERLAY_CACHE")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg) / "vllm-overlay" if xdg else Path.home() / ".cache" / "vllm-overlay"
-
-
-def atomic_write(path: Path, data: bytes | list[bytes | bytearray]) -> None:
-    """Write to a temp name beside ``path`` and rename: readers see old or new, never half.
-    ``data``: the bytes, or pieces of them (written one after another, never joined)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            for piece in [data] if isinstance(data, bytes) else data:
-                out.write(piece)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-class HashMemo:
-    """sha256 of files, remembered by (path, size, mtime_ns) in ``verified.json``."""
-
-    def __init__(self, root: Path) -> None:
-        self.file = root / "verified.json"
-        try:
-            self.entries: dict[str, list] = json.loads(self.file.read_text())
-        except (OSError, ValueError):
-            self.entries = {}
-
-    def known(self, path: Path) -> str | None:
-        """The remembered sha256, if the file's size and mtime are unchanged since it was hashed."""
-        st = path.stat()
-        entry = self.entries.get(str(path.resolve()))
-        if entry and entry[0] == st.st_size and entry[1] == st.st_mtime_ns:
-            return entry[2]
-        return None
-
-    def remember(self, path: Path, digest: str) -> None:
-        st = path.stat()
-        self.entries[str(path.resolve())] = [st.st_size, st.st_mtime_ns, digest]
-        try:
-            atomic_write(self.file, json.dumps(self.entries, indent=0, sort_keys=True).encode())
-        except OSError:
-            pass  # a read-only cache only costs a re-hash next time
 
 
 def sha256_file(path: Path) -> str:
@@ -93,7 +40,7 @@ def check_zip(path: Path, label: str) -> None:
         with zipfile.ZipFile(path) as zf:
             zf.infolist()
     except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise InputError(f"{label}: not a valid wheel (zip): {exc}") from None
+        raise InputError(f"not a valid wheel (zip): {exc}", file=label) from None
 
 
 def pinned_wheel(pin: WheelPin, *, root: Path | None = None, progress: TextIO | None = None) -> Path:
@@ -110,7 +57,7 @@ def pinned_wheel(pin: WheelPin, *, root: Path | None = None, progress: TextIO | 
         if pin.path.is_dir():
             return pin.path
         if not pin.path.is_file():
-            raise InputError(f"{pin.project}.path: {pin.path}: no such wheel file or directory")
+            raise InputError(f"{pin.path}: no such wheel file or directory", field=f"{pin.project}.path")
         if memo.known(pin.path) != pin.sha256:
             _expect(pin, sha256_file(pin.path), str(pin.path))
             check_zip(pin.path, str(pin.path))
@@ -143,7 +90,7 @@ def _cached_wheel(pin: WheelPin, root: Path) -> Path:
 
 def _expect(pin: WheelPin, actual: str, where: str) -> None:
     if actual != pin.sha256:
-        raise InputError(f"{pin.project}.sha256: {where} has sha256 {actual}, the pin says {pin.sha256}")
+        raise InputError(f"{where} has sha256 {actual}, the pin says {pin.sha256}", field=f"{pin.project}.sha256")
 
 
 def resolve_from_index(pin: WheelPin) -> str:
@@ -159,11 +106,11 @@ def resolve_from_index(pin: WheelPin) -> str:
         with urllib.request.urlopen(req, timeout=60) as resp:
             listing = json.load(resp)
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise OverlayError(f"{pin.project}: cannot read the package index {page}: {exc}") from None
+        raise ServiceUnreachable(f"cannot read the package index {page}: {exc}", field=pin.project) from None
     for entry in listing.get("files", []):
         if entry.get("filename") == pin.wheel:
             return urllib.parse.urljoin(page, entry["url"])
-    raise InputError(f"{pin.project}.wheel: {pin.wheel} is not listed on {page}")
+    raise InputError(f"{pin.wheel} is not listed on {page}", field=f"{pin.project}.wheel")
 
 
 def _download(url: str, dest: Path, pin: WheelPin, label: str, progress: TextIO | None) -> None:
@@ -191,9 +138,9 @@ def _download(url: str, dest: Path, pin: WheelPin, label: str, progress: TextIO 
         except http.client.IncompleteRead:
             got = -1  # the server closed early: reported as truncated below
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-            raise OverlayError(f"{pin.project}: download of {url} failed: {exc}") from None
+            raise ServiceUnreachable(f"download of {url} failed: {exc}", field=pin.project) from None
         if got < 0 or (total and got != total):
-            raise InputError(f"{pin.project}: download of {url} is truncated (got fewer than {total} bytes)")
+            raise InputError(f"download of {url} is truncated (got fewer than {total} bytes)", field=pin.project)
         _expect(pin, h.hexdigest(), url)
         check_zip(tmp, f"{pin.project}: {url}")
         os.replace(tmp, dest)

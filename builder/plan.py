@@ -42,7 +42,8 @@ def plan(recipe: Recipe, members: tuple[Member, ...]) -> Plan:
     from builder.image import registry_of, tags_for
 
     if registry_of(recipe.image.repository):
-        from builder.image import RegistryUnreachable, docker_client, in_registry
+        from builder.errors import RegistryUnreachable
+        from builder.image import docker_client, in_registry
 
         ref = tags_for(recipe, rendered).image
         try:
@@ -59,6 +60,5 @@ def write_github_output(result: Plan) -> None:
     path = os.environ.get("GITHUB_OUTPUT")
     if path:
         with open(path, "a", encoding="utf-8") as out:
-            out.write(
-                f"rebuild={'true' if result.rebuild else 'false'}\nkey={result.runtime_key}\nimage-key={result.image_key}\n"
-            )
+            rebuild = "true" if result.rebuild else "false"
+            out.write(f"rebuild={rebuild}\nkey={result.runtime_key}\nimage-key={result.image_key}\n")

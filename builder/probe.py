@@ -149,7 +149,7 @@ def probe(tree: Tree, members: tuple[Member, ...], python: Path, argv: list[str]
                 )
                 for t, a in arms
             ]
-            return [Arm(t, a, f.result()) for (t, a), f in zip(arms, futures)]
+            return [Arm(t, a, f.result()) for (t, a), f in zip(arms, futures, strict=True)]
 
 
 def render_arms(arms: list[Arm]) -> str:
@@ -160,4 +160,5 @@ def render_arms(arms: list[Arm]) -> str:
         verdict = arm.run.verdict.split(":", 1)[0]
         rows.append((arm.tree, arm.argv, *(routes[name] for name in ROUTES), verdict, arm.reasons))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows).replace(" \n", "\n")
+    lines = ["  ".join([*(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)), r[-1]]) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)

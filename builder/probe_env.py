@@ -20,8 +20,8 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 
-from builder.errors import OverlayError
-from builder.pin import atomic_write, cache_root
+from builder.cache import atomic_write, cache_root
+from builder.errors import ProbeEnvError
 
 # torch pinned by vLLM 0.30.0; installed first so pip picks the build the
 # machine provides (a CPU build on the CI machine) before vLLM's own resolve.
@@ -31,10 +31,6 @@ UNINSTALL_AFTER = ("torchvision", "torchaudio", "torchcodec")
 COMPLETE_MARKER = ".complete"
 
 Progress = Callable[[str], object]
-
-
-class ProbeEnvError(OverlayError):
-    """The probe venv could not be built, or a shadow tree not made."""
 
 
 def probe_venv_dir(version: str = "0.30.0", cache_dir: Path | str | None = None) -> Path:

@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
+from builder.cache import atomic_write
 from builder.errors import InputError
-from builder.pin import atomic_write
 
 DEFAULT = Path(__file__).resolve().parent.parent / "images" / "produced.yaml"
 HEADER = "# Produced-image rows, written by `vllm-overlay image`; newest last. Do not edit by hand.\n"
@@ -30,11 +30,11 @@ def load_rows(path: Path | None = None) -> list[dict[str, Any]]:
     except FileNotFoundError:
         return []
     except (OSError, yaml.YAMLError) as exc:
-        raise InputError(f"{path}: cannot read produced-image rows: {exc}") from None
+        raise InputError(f"cannot read produced-image rows: {exc}", file=path) from None
     if rows is None:
         return []
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise InputError(f"{path}: expected a list of produced-image rows")
+        raise InputError("expected a list of produced-image rows", file=path)
     return rows
 
 

@@ -6,6 +6,7 @@ by its dotted path (``vllm.sha256``) so a user can find it in the YAML.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Callable
@@ -125,12 +126,12 @@ class _Field:
 def _string(pattern: re.Pattern[str] | None = None, expected: str = "") -> Callable[[str, Any], str]:
     def check(where: str, value: Any) -> str:
         if not isinstance(value, str):
-            raise _FieldError(
+            raise _field_error(
                 where,
                 f"expected a string{' (quote it)' if isinstance(value, (int, float)) else ''}, got {_show(value)}",
             )
         if pattern is not None and not pattern.fullmatch(value):
-            raise _FieldError(where, f"expected {expected}, got {value!r}")
+            raise _field_error(where, f"expected {expected}, got {value!r}")
         return value
 
     return check
@@ -138,28 +139,28 @@ def _string(pattern: re.Pattern[str] | None = None, expected: str = "") -> Calla
 
 def _members(where: str, value: Any) -> tuple[str, ...]:
     if not isinstance(value, list):
-        raise _FieldError(where, f"expected a list of member names, got {_show(value)}")
+        raise _field_error(where, f"expected a list of member names, got {_show(value)}")
     seen: set[str] = set()
     for i, name in enumerate(value):
         item = f"{where}[{i}]"
         if not isinstance(name, str) or not MEMBER_NAME_RE.fullmatch(name):
-            raise _FieldError(item, f"expected a member name matching [a-z0-9_]+, got {_show(name)}")
+            raise _field_error(item, f"expected a member name matching [a-z0-9_]+, got {_show(name)}")
         if name in seen:
-            raise _FieldError(item, f"duplicate member {name!r}")
+            raise _field_error(item, f"duplicate member {name!r}")
         seen.add(name)
     return tuple(value)
 
 
 def _boolean(where: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise _FieldError(where, f"expected true or false, got {_show(value)}")
+        raise _field_error(where, f"expected true or false, got {_show(value)}")
     return value
 
 
 def _list_of(item: Callable[[str, Any], Any]) -> Callable[[str, Any], tuple[Any, ...]]:
     def check(where: str, value: Any) -> tuple[Any, ...]:
         if not isinstance(value, list):
-            raise _FieldError(where, f"expected a list, got {_show(value)}")
+            raise _field_error(where, f"expected a list, got {_show(value)}")
         return tuple(item(f"{where}[{i}]", v) for i, v in enumerate(value))
 
     return check
@@ -168,16 +169,18 @@ def _list_of(item: Callable[[str, Any], Any]) -> Callable[[str, Any], tuple[Any,
 def _mapping(schema: dict[str, _Field]) -> Callable[[str, Any], dict[str, Any]]:
     def check(where: str, value: Any) -> dict[str, Any]:
         if not isinstance(value, dict):
-            raise _FieldError(where or "(top level)", f"expected a mapping, got {_show(value)}")
+            raise _field_error(where or "(top level)", f"expected a mapping, got {_show(value)}")
         prefix = f"{where}." if where else ""
         for key in value:
             if key not in schema:
-                raise _FieldError(f"{prefix}{key}", f"unknown field (expected one of: {', '.join(schema)})")
+                close = difflib.get_close_matches(str(key), list(schema), n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise _field_error(f"{prefix}{key}", f"unknown field ({hint}expected one of: {', '.join(schema)})")
         out: dict[str, Any] = {}
         for key, spec in schema.items():
             if key not in value:
                 if spec.required:
-                    raise _FieldError(f"{prefix}{key}", "missing required field")
+                    raise _field_error(f"{prefix}{key}", "missing required field")
                 continue
             out[key] = spec.check(f"{prefix}{key}", value[key])
         return out
@@ -264,9 +267,9 @@ RECIPE_SCHEMA = _mapping(
 )
 
 
-class _FieldError(Exception):
-    def __init__(self, where: str, what: str) -> None:
-        super().__init__(f"{where}: {what}")
+def _field_error(where: str, what: str) -> InputError:
+    """A field's error: named by its dotted path; load_recipe adds the file."""
+    return InputError(what, field=where)
 
 
 def _show(value: Any) -> str:
@@ -299,25 +302,22 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise InputError(f"{path}: recipe not found") from None
+        raise InputError("recipe not found", file=path) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read recipe: {exc}") from None
+        raise InputError(f"cannot read recipe: {exc}", file=path) from None
     try:
         raw = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise InputError(f"{path}:{where}: invalid YAML: {problem}") from None
+        line = mark.line + 1 if mark is not None else None
+        raise InputError(f"invalid YAML: {problem}", file=path, line=line) from None
     try:
         data = RECIPE_SCHEMA("", raw)
-    except _FieldError as exc:
-        raise InputError(f"{path}: {exc}") from None
-    base = path.parent
-    try:
+        base = path.parent
         vllm, flashinfer = _pin("vllm", data["vllm"], base), _pin("flashinfer-python", data["flashinfer"], base)
-    except _FieldError as exc:
-        raise InputError(f"{path}: {exc}") from None
+    except InputError as exc:
+        raise exc.located(file=path) from None
     return Recipe(
         path=path,
         name=data["name"],
@@ -336,14 +336,14 @@ def _image(data: dict[str, Any], path: Path) -> ImageSettings:
     if override:  # e.g. CI pushing to its own registry; validated like the field
         try:
             data["repository"] = _REPOSITORY("VLLM_OVERLAY_REPOSITORY", override)
-        except _FieldError as exc:
-            raise InputError(f"environment: {exc}") from None
+        except InputError as exc:
+            raise exc.located(file="environment") from None
     data["pip"] = PipSettings(**data.get("pip", {}))
     wheel = data.get("vllm_wheel")
     if wheel is not None:
         if ("sha256" in wheel) == ("unverified" in wheel):
             raise InputError(
-                f"{path}: image.vllm_wheel: give sha256, or (only if it cannot be had yet) unverified: <why>"
+                "give sha256, or (only if it cannot be had yet) unverified: <why>", file=path, field="image.vllm_wheel"
             )
         data["vllm_wheel"] = VllmWheelSource(**wheel)
     return ImageSettings(**data)
@@ -353,7 +353,7 @@ def _pin(project: str, data: dict[str, Any], base: Path) -> WheelPin:
     parts = data["wheel"].split("-")
     if len(parts) < 3 or parts[1] != data["version"]:
         field_name = "vllm" if project == "vllm" else "flashinfer"
-        raise _FieldError(f"{field_name}.wheel", f"{data['wheel']!r} is not a wheel of version {data['version']}")
+        raise _field_error(f"{field_name}.wheel", f"{data['wheel']!r} is not a wheel of version {data['version']}")
     local = data.get("path")
     return WheelPin(
         project=project,

@@ -16,8 +16,9 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-from builder.members import MemberError, _git_line_path, member_bytes, parse_member, read_file, split_lines
-from builder.pin import atomic_write
+from builder.cache import atomic_write
+from builder.errors import InputError
+from builder.members import _git_line_path, member_bytes, parse_member, read_file, split_lines
 from builder.recipe import Recipe
 
 SOURCE_SUFFIX = ".py"
@@ -58,34 +59,36 @@ def generate(header: bytes, tree_path: str, source: bytes) -> bytes:
     return b"".join(out)
 
 
-def split_generated(data: bytes, where: str, source: str = SOURCE_SUFFIX) -> tuple[bytes, str]:
+def split_generated(data: bytes, source: str = SOURCE_SUFFIX) -> tuple[bytes, str]:
     """A generated member's header (its bytes before the ``diff --git`` line) and the path its
-    single new-file diff names; MemberError when its diff is not one new-file diff.
-    ``where``: "<file>: member <name>"; ``source``: the file beside it, for the message."""
+    single new-file diff names; InputError when its diff is not one new-file diff.
+    ``source``: the file beside it, for the message."""
     lines = split_lines(data)
     starts = [i for i, line in enumerate(lines) if line.startswith(b"diff --git ")]
-    why = f"{where}: made from {source}, so its diff must be a single new-file diff"
+    why = f"made from {source}, so its diff must be a single new-file diff"
     if len(starts) != 1:
-        raise MemberError(f"{why}, but it has {len(starts)} 'diff --git' lines")
+        raise InputError(f"{why}, but it has {len(starts)} 'diff --git' lines")
     start = starts[0]
     line = lines[start].decode("utf-8", "surrogateescape").rstrip("\r\n")
-    path = _git_line_path(line, where, start + 1)
+    path = _git_line_path(line, start + 1)
     file_header = []
     for raw in lines[start + 1 :]:
         if raw.startswith(b"@@"):
             break
         file_header.append(raw.rstrip(b"\r\n"))
     if b"--- /dev/null" not in file_header:
-        raise MemberError(f"{why}, but its diff of {path} is not a new file (no '--- /dev/null')")
+        raise InputError(f"{why}, but its diff of {path} is not a new file (no '--- /dev/null')")
     return b"".join(lines[:start]), path
 
 
 def expected_bytes(path: Path, name: str, data: bytes, source: bytes) -> bytes:
     """What generated member ``name`` (its file ``path``, now ``data``) must hold for ``source``."""
-    where = f"{path}: member {name}"
-    header, tree_path = split_generated(data, where, source_of(path))
-    if not source:
-        raise MemberError(f"{where}: {source_of(path)} is empty (a new file needs at least one line)")
+    try:
+        header, tree_path = split_generated(data, source_of(path))
+        if not source:
+            raise InputError(f"{source_of(path)} is empty (a new file needs at least one line)")
+    except InputError as exc:
+        raise exc.located(file=path, member=name) from None
     return generate(header, tree_path, source)
 
 
@@ -93,14 +96,14 @@ def _read_source(path: Path, name: str) -> bytes:
     try:
         return read_file(source_of(path))
     except OSError as exc:
-        raise MemberError(f"{path}: member {name}: cannot read {source_of(path)}: {exc}") from None
+        raise InputError(f"cannot read {source_of(path)}: {exc}", file=path, member=name) from None
 
 
 def check_generated(path: Path, name: str, data: bytes) -> None:
     """The load-time rule: member ``name`` (bytes ``data``), which has a source beside it, must be
     what that source makes."""
     if data != expected_bytes(path, name, data, _read_source(path, name)):
-        raise MemberError(f"{path}: member {name}: out of date with {source_of(path)}; run make members")
+        raise InputError(f"out of date with {source_of(path)}; run make members", file=path, member=name)
 
 
 class Generated(NamedTuple):
@@ -119,7 +122,7 @@ class Generated(NamedTuple):
 def generated_members(recipe: Recipe) -> list[Generated]:
     """The recipe's members that have a source beside them, each with the bytes it must hold.
     What it must hold is parsed as a member is: a header or path the source cannot mend is
-    refused here (MemberError), before anything is written."""
+    refused here (InputError), before anything is written."""
     found = []
     for name in recipe.members:
         path = recipe.member_path(name)

@@ -51,7 +51,7 @@ def services() -> dict[str, str]:
 def vllm_wheel() -> Path:
     """The real pinned vLLM 0.30.0 wheel, fetched once into the user cache and sha256-checked."""
     pin = load_recipe(DEFAULT_RECIPE).vllm
-    pinned_tree(pin).read("vllm/__init__.py")  # also leaves the wheel's zip index in the cache, as any run does
+    pinned_tree(pin).read("vllm/__init__.py")  # fetched and verified once, as any run does
     return pinned_wheel(pin)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.pin import cache_root
+from builder.cache import cache_root
 
 DECODE, SINGLE, DUAL = "decode kernel", "prefill single", "prefill dual"
 HEADS = frozenset({8, 16, 32, 64, 128})

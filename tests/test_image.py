@@ -436,12 +436,13 @@ def test_cuda_mismatch_fails_unless_the_recipe_accepts_it(services, tmp_path) ->
     assert rows(produced) == []
 
 
-def test_unreachable_engine_is_one_line_exit_2(services, tmp_path) -> None:
+def test_unreachable_engine_is_one_line_exit_3(services, tmp_path) -> None:
+    """A service that did not answer is exit 3, not bad input (2): the recipe is fine."""
     recipe = write_recipe_copy(tmp_path / "recipe.yaml", services, repository(services, "unreachable"))
     produced = tmp_path / "produced.yaml"
     env = cli_env(services, produced, DOCKER_HOST="unix:///nonexistent.sock")
     proc = run_cli("image", recipe, env=env)
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == 3, proc.stderr
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert "unix:///nonexistent.sock" in proc.stderr and "cannot be reached" in proc.stderr
     assert proc.stdout == "" and not produced.exists()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -99,16 +98,13 @@ def write_recipe(
 
 
 def warm_cache_copy(wheel: Path, cache: Path) -> Path:
-    """A cache as a warm run has it, for one wheel: (a link to) the verified wheel, its
-    remembered hash and its zip index, taken from the user cache; no parse memo."""
-    from builder.pin import cache_root
+    """A cache as a warm run has it, for one wheel: (a link to) the verified wheel and its
+    remembered hash, taken from the user cache."""
+    from builder.cache import cache_root
 
     dest = cache / "wheels" / wheel.parent.name / wheel.name
     dest.parent.mkdir(parents=True)
     dest.symlink_to(wheel)
     memo = json.loads((cache_root() / "verified.json").read_text())
     (cache / "verified.json").write_text(json.dumps({str(wheel.resolve()): memo[str(wheel.resolve())]}))
-    index = cache_root() / "zipindex" / f"{wheel.parent.name}.marshal"
-    (cache / "zipindex").mkdir()
-    shutil.copy(index, cache / "zipindex" / index.name)
     return cache

@@ -217,9 +217,8 @@ def main() -> None:
 
         print("(a) member change, rebuild against a full build (same recipe, same engine):")
         print(f"  `image` of the recipe as it is (warm cache, for reference)   {before:7.2f} s")
-        print(
-            f"  `image` after one member's hunk changed                      {rebuild:7.2f} s   ({cached} steps from cache, {ran} run)"
-        )
+        steps = f"({cached} steps from cache, {ran} run)"
+        print(f"  `image` after one member's hunk changed                      {rebuild:7.2f} s   {steps}")
         print(f"  full build, layer cache off (apply + render + build)        {full_time:7.2f} s")
         ratio = rebuild / full_time
         print(f"  ratio {ratio:6.3f}   target <= 0.1   {verdict(ratio <= 0.1)}")
@@ -234,12 +233,8 @@ def main() -> None:
         print(f"  as pushed: {pushed_layers} layers, {pushed_bytes:,d} B compressed (tar headers included)")
         print()
         print(f"(c) `plan` when nothing changed (median of {PLAN_RUNS} runs):")
-        print(
-            f"  from the produced row    {plan_row:6.3f} s   target < 0.5 s   {verdict(plan_row < 0.5)}   [{said_row[:60]}]"
-        )
-        print(
-            f"  from the registry        {plan_registry:6.3f} s   target < 0.5 s   {verdict(plan_registry < 0.5)}   [{said_registry[:60]}]"
-        )
+        for source, took, said in (("produced row", plan_row, said_row), ("registry", plan_registry, said_registry)):
+            print(f"  from the {source:15s} {took:6.3f} s   target < 0.5 s   {verdict(took < 0.5)}   [{said[:60]}]")
         print(f"  (the push between them, for reference: {push_time:.2f} s)")
         print(
             f"  engine events during the {2 * PLAN_RUNS} plans (any client's): {len(events)} container creations "

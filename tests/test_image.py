@@ -55,7 +55,8 @@ files = {}
 for p in json.loads(sys.argv[1]):
     f = os.path.join(root, p)
     files[p] = hashlib.sha256(open(f, "rb").read()).hexdigest() if os.path.isfile(f) else None
-print(json.dumps({"vllm": md.version("vllm"), "flashinfer": md.version("flashinfer-python"), "root": root, "files": files}))
+versions = {"vllm": md.version("vllm"), "flashinfer": md.version("flashinfer-python")}
+print(json.dumps({**versions, "root": root, "files": files}))
 """
 
 
@@ -332,7 +333,8 @@ def test_member_change_rebuilds_only_the_overlay_layers(services, client, defaul
     assert "image_checks.py pins" in client.api.history(installed)[0]["CreatedBy"]
     old_layers, new_layers, base_layers = layers(client, old.id), layers(client, new.id), layers(client, installed)
     common = next(
-        (i for i, (a, b) in enumerate(zip(old_layers, new_layers)) if a != b), min(len(old_layers), len(new_layers))
+        (i for i, (a, b) in enumerate(zip(old_layers, new_layers, strict=False)) if a != b),
+        min(len(old_layers), len(new_layers)),
     )
     assert common == len(base_layers)
     assert old_layers[:common] == new_layers[:common] == base_layers

@@ -43,7 +43,8 @@ NORMAL_A = "--- a/vllm/a.py\n+++ b/vllm/a.py\n@@ -1,3 +1,3 @@\n one\n-two\n+TWO\
 NORMAL_B = (
     "new file mode 100644\n--- /dev/null\n+++ b/vllm/new.py\n@@ -0,0 +1,1 @@\n+x = 1\n\\ No newline at end of file\n"
 )
-GOLDEN = "rk-baa6ab2a798d287080630a84edfadff025c6c892d0e7a753df9cd7af950f99d1"  # == hand_key(), pinned so a format change is seen
+# == hand_key(), pinned so a format change is seen
+GOLDEN = "rk-baa6ab2a798d287080630a84edfadff025c6c892d0e7a753df9cd7af950f99d1"
 
 
 def sha(text: str) -> str:

@@ -172,9 +172,8 @@ def test_a_source_beside_a_member_that_is_not_one_new_file(work: Path):
             proc = _cli(work, *args)
             assert proc.returncode == 2, proc.stderr
             [line] = proc.stderr.splitlines()
-            assert line.startswith(
-                f"vllm-overlay: {patch}: member {OTHER}: made from {source}, so its diff must be a single new-file diff, {why}"
-            )
+            made = f"made from {source}, so its diff must be a single new-file diff"
+            assert line.startswith(f"vllm-overlay: {patch}: member {OTHER}: {made}, {why}")
         assert snapshot(work) == before
 
 

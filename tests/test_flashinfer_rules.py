@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from builder.cache import cache_root
+from tests.helpers import v41_facts
 
 DECODE, SINGLE, DUAL = "decode kernel", "prefill single", "prefill dual"
 HEADS = frozenset({8, 16, 32, 64, 128})
@@ -160,25 +161,8 @@ def accepts(
 
 
 def vllm_facts(mod, *, page=64, width=128, layers=((0, 0), (1, 128), (2, 64))):
-    """vLLM 0.30.0 on the synthetic checkpoint at TP 4 (hand-written)."""
-    return mod.VllmFacts(
-        tensor_parallel_size=4,
-        num_heads=64,
-        local_heads=16,
-        padded_heads=16,
-        sliding_window=128,
-        prefill_width=width,
-        decode_query_len=1,
-        swa_page_block_size=page,
-        layer_types=layers,
-        extra_topk=512,
-        d_qk=512,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        max_model_len=65536,
-        prefill_chunk_requests=4,
-        capture_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
-    )
+    """vLLM 0.30.0 on the synthetic checkpoint at TP 4 (hand-written), text-only by default."""
+    return v41_facts(mod, swa_page_block_size=page, prefill_width=width, layer_types=layers)
 
 
 def run_static(mod, vf, rules):

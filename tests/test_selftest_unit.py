@@ -17,6 +17,8 @@ import re
 
 import pytest
 
+from tests.helpers import v41_facts
+
 # ---- FlashInfer 0.6.18.post1, written out by hand -----------------------
 # flashinfer/mla/_sparse_mla_sm120.py:74 _DECODE_MAX_TOKENS = 64, :78 the
 # (heads, topk) set, :107 page 64, :256 d_qk == 512; data/csrc/
@@ -98,33 +100,9 @@ def rules_06(
     )
 
 
-CAPTURES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-
 def facts(mod, **over):
     """vLLM 0.30.0 on the synthetic checkpoint at TP 4, patched (SWA page 64), vision."""
-    base = dict(
-        tensor_parallel_size=4,
-        num_heads=64,
-        local_heads=16,
-        padded_heads=16,
-        sliding_window=128,
-        prefill_width=1152,
-        decode_query_len=1,
-        swa_page_block_size=64,
-        layer_types=((0, 0), (1, 128), (2, 64)),
-        extra_topk=512,
-        d_qk=512,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        max_model_len=65536,
-        prefill_chunk_requests=4,
-        capture_sizes=CAPTURES,
-        sources={"swa_page_block_size": "test source"},
-        scope_notes=["a vLLM scope note"],
-    )
-    base.update(over)
-    return mod.VllmFacts(**base)
+    return v41_facts(mod, **over)
 
 
 def text_only(mod, **over):

@@ -24,7 +24,6 @@ and shows that it never fetched one. A few cases also run through `python -m bui
 
 from __future__ import annotations
 
-import gc
 import shutil
 import string
 import urllib.request
@@ -154,11 +153,7 @@ def _run_in_process(case, command, tmp_path, cache, monkeypatch, capsys) -> None
     monkeypatch.delenv("VLLM_OVERLAY_REPOSITORY", raising=False)
     monkeypatch.setattr(urllib.request, "urlopen", _no_network)  # the builder fetches with urlopen
     before = snapshot(work), snapshot(cache)
-    threshold = gc.get_threshold()  # main() raises the collector's threshold for its run
-    try:
-        code = main(_argv(command))
-    finally:
-        gc.set_threshold(*threshold)
+    code = main(_argv(command))
     out, err = capsys.readouterr()
     _assert_refused(code, out, err, expected)
     assert (snapshot(work), snapshot(cache)) == before  # no output directory, nothing cached

@@ -91,18 +91,36 @@ def apply(
     an earlier one whole, or is left as it was on failure."""
     from builder.output import write_full_tree, write_overlay
 
+    recipe = recipe_of(recipe)
+    key = runtime_key(recipe, load_recipe_members(recipe))
+    destinations = {  # refused before any work: a wrong --out costs nothing
+        option: _destination(recipe, raw, option, f"apply {option}", key)
+        for option, raw in (("--out", out), ("--full-tree", full_tree))
+        if raw is not None
+    }
     recipe, members, tree = _loaded(recipe)
-    applied = Applied(recipe, tree, apply_members(tree, members), runtime_key(recipe, members))
+    applied = Applied(recipe, tree, apply_members(tree, members), key)
     progress("\n".join(applied.report()))
-    if out is not None or full_tree is not None:
+    if destinations:
         data = applied.manifest()
-        if out is not None:
-            write_overlay(Path(out), applied.overlay, data)
+        if "--out" in destinations:
+            write_overlay(destinations["--out"], applied.overlay, data)
             progress(f"wrote {len(applied.overlay.changes)} touched files and manifest.json to {out}")
-        if full_tree is not None:
-            write_full_tree(Path(full_tree), tree, applied.overlay, data)
+        if "--full-tree" in destinations:
+            write_full_tree(destinations["--full-tree"], tree, applied.overlay, data)
             progress(f"wrote the full patched tree to {full_tree}")
     return applied
+
+
+def _destination(recipe: Recipe, raw: str | Path, option: str, command: str, key: str) -> Any:
+    """An output directory, refused now if it holds or lies in what the run reads."""
+    from builder.cache import cache_root
+    from builder.output import Destination, check_destination
+
+    protected = {"recipe": recipe.path, "overlay": recipe.overlay_dir, "cache": cache_root()}
+    destination = Destination.of(raw, option, command, key, protected)
+    check_destination(destination)
+    return destination
 
 
 @dataclass(frozen=True)
@@ -124,11 +142,15 @@ def render(recipe: RecipeLike, *, out: str | Path | None = None) -> Context:
     from builder.output import write_files
     from builder.render import context_files, render_image
 
+    recipe = recipe_of(recipe)
+    destination = None
+    if out is not None:
+        destination = _destination(recipe, out, "--out", "dockerfile --out", key(recipe))
     applied = apply(recipe)
     rendered = render_image(applied.recipe, applied.key)
     context = Context(applied.recipe, rendered, context_files(rendered, applied.overlay, applied.manifest()))
-    if out is not None:
-        write_files(Path(out), context.files)
+    if destination is not None:
+        write_files(destination, context.files)
     return context
 
 

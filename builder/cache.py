@@ -7,19 +7,16 @@ Layout under the cache root (``cache_root()``)::
     probe-venv/vllm-<version>/          the probe's interpreter (builder.probe_env)
 
 Every file the builder writes goes through ``atomic_write`` (a temp name beside
-it, then a rename), and every output directory through ``replacing`` (built
-beside it, then swapped in), so a reader sees the old or the new, never half.
+it, then a rename), so a reader sees the old file or the new one, never half;
+output directories are swapped in whole the same way (builder.output).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
-
-from builder.errors import InputError
 
 
 def cache_root() -> Path:
@@ -69,31 +66,3 @@ class HashMemo:
             atomic_write(self.file, json.dumps(self.entries, indent=0, sort_keys=True).encode())
         except OSError:
             pass  # a read-only cache only costs a re-hash next time
-
-
-class replacing:
-    """Context manager: yield a temp dir beside ``out``; on success swap it in for ``out``."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    def __enter__(self) -> Path:
-        out = self.out
-        if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / "manifest.json").is_file())):
-            raise InputError("exists and is not an earlier vllm-overlay output; refusing to replace it", file=out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return
-        self.tmp.chmod(0o755)
-        old = None
-        if self.out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old.", dir=self.out.parent))
-            os.replace(self.out, old / "x")
-        os.replace(self.tmp, self.out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)

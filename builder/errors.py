@@ -9,7 +9,8 @@ place, in that order, so every message reads the same way::
     overlay/fix.patch: member fix: vllm/a.py: hunk 1 (@@ -4,7 +4,7 @@): does not apply at line 5: ...
 
 Exit codes (README, "Exit codes"): 1 a check or build that ran and said no,
-2 bad input (nothing changed on disk), 3 a service that did not answer.
+2 bad input (nothing changed on disk), 3 a service that did not answer or a
+disk that refused a write.
 """
 
 from __future__ import annotations
@@ -105,3 +106,10 @@ class ServiceUnreachable(OverlayError):
 
 class RegistryUnreachable(ServiceUnreachable):
     """The registry did not answer: whether a tag is there is unknown."""
+
+
+class StorageFailed(OverlayError):
+    """This machine's storage refused a write (full, read-only, no permission): nothing was
+    left half-written."""
+
+    exit_code = 3

@@ -7,7 +7,7 @@ import json
 import zipfile
 
 from tests.helpers import run_cli
-from tools.synthetic import git_diff, member_text, write_recipe
+from tools.synthetic import VLLM_PIN, git_diff, member_text, write_recipe
 
 ATT = "vllm/models/deepseek_v41/attention.py"
 CFG = "vllm/transformers_utils/configs/deepseek_v41.py"
@@ -40,11 +40,14 @@ def test_overlay_output_and_manifest(tmp_path, wheel_zip):
     assert proc.returncode == 0, proc.stderr
     key = proc.stdout.strip()
     assert key == run_cli("key", recipe).stdout.strip()
-    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == sorted([ATT, NEW, "manifest.json"])
+    written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert written == sorted([ATT, NEW, "manifest.json", ".vllm-overlay-output"])
+    marker = json.loads((out / ".vllm-overlay-output").read_text())
+    assert marker == {"tool": "vllm-overlay", "format": 1, "command": "apply --out", "runtime_key": key}
     assert (out / ATT).read_bytes() == att2
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["runtime_key"] == key
-    assert manifest["pins"]["vllm"]["sha256"] == "ef52ee58c410ead0b8afb190838fa4cbcb52075596f67862a03859d984966ac4"
+    assert manifest["pins"]["vllm"]["sha256"] == VLLM_PIN["sha256"]
     assert [m["name"] for m in manifest["members"]] == ["one", "two"]
     files = {f["path"]: f for f in manifest["files"]}
     assert files[ATT]["before_sha256"] == sha(att) and files[ATT]["after_sha256"] == sha(att2)
@@ -89,7 +92,8 @@ def test_full_tree_from_a_local_wheel_and_from_a_directory(tmp_path, wheel_zip, 
         recipe = write_recipe(d, ms, vllm=vllm)
         proc = run_cli("apply", recipe, "--full-tree", d / "tree")
         assert proc.returncode == 0, proc.stderr
-        got = {str(p.relative_to(d / "tree")): p.read_bytes() for p in (d / "tree").rglob("*") if p.is_file()}
+        tree = d / "tree"
+        got = {str(p.relative_to(tree)): p.read_bytes() for p in tree.rglob("*") if p.is_file() and p.parent != tree}
         results.append(got)
         assert got[ATT] == att2 and CFG not in got and got["vllm/__init__.py"] == wheel_zip.read("vllm/__init__.py")
         assert (d / "tree" / NEW).stat().st_mode & 0o777 == 0o644

@@ -2,14 +2,19 @@
 
 Exit codes: 0 success, 1 a check or build that said no, 2 bad input (one line,
 naming the file, member, hunk or field; nothing changed on disk), 3 a service
-that did not answer (builder.errors); 130 interrupted.
+that did not answer or a disk that refused a write (builder.errors); 70 an
+internal error (one line asking for a report; the traceback with --debug);
+130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
+from pathlib import Path
 
 from builder import api
 from builder.errors import OverlayError
@@ -84,6 +89,7 @@ def cmd_members(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-overlay", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="on an internal error, show its traceback")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, func, help: str) -> argparse.ArgumentParser:
@@ -121,7 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+INTERNAL_ERROR = 70  # EX_SOFTWARE: a bug in this tool, never an input's fault
+
+
 def main(argv: list[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # a path that is not UTF-8 must not fail the report of it
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     argv = list(sys.argv[1:] if argv is None else argv)
     serve_argv: list[str] = []
     if "--" in argv:  # everything after it is the rank's vllm serve argv, passed on untouched
@@ -137,3 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("vllm-overlay: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): as a pipeline expects, no report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except Exception as exc:  # a bug: one line and where, the traceback only when asked for
+        if args.debug:
+            raise
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        where = f"{Path(frame.filename).name}:{frame.lineno}"
+        print(
+            f"vllm-overlay: internal error: {type(exc).__name__}: {exc} (at {where}); please report it,"
+            " with the output of the same command run with --debug",
+            file=sys.stderr,
+        )
+        return INTERNAL_ERROR

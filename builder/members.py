@@ -17,9 +17,11 @@ from typing import NamedTuple
 
 import unidiff
 
+from builder.cache import MIB, read_regular
 from builder.errors import InputError
 from builder.recipe import MEMBER_NAME_RE, Recipe
 
+MEMBER_LIMIT = 16 * MIB  # the largest member file read (the self-test's is about 0.1 MiB)
 # DEP-3 fields plus the Yocto Upstream-Status and our Standalone flag.
 SINGLE_FIELDS = {
     "Description",
@@ -199,11 +201,13 @@ def member_bytes(path: Path, name: str) -> bytes:
     if file_name != f"{name}.patch":
         raise InputError(f"file name must be {name}.patch", file=path, member=name)
     try:
-        return read_file(path)
+        return read_regular(path, MEMBER_LIMIT, "a member")
+    except InputError as exc:
+        raise exc.located(member=name) from None
     except FileNotFoundError:
         raise InputError("no such member file", file=path, member=name) from None
     except OSError as exc:
-        raise InputError(f"cannot read: {exc}", file=path, member=name) from None
+        raise InputError(f"cannot read: {exc.strerror or exc}", file=path, member=name) from None
 
 
 def parse_member(name: str, path: Path, data: bytes) -> Member:
@@ -214,22 +218,6 @@ def parse_member(name: str, path: Path, data: bytes) -> Member:
         raise exc.located(file=path, member=name) from None
     patches = tuple(FilePatch(old, new, mode, hunks) for old, new, mode, hunks in files)
     return Member(name, path, fields, patches, digest)
-
-
-def read_file(path: Path | str) -> bytes:
-    """A member file's bytes, with plain os calls: pathlib's overhead was a third of a warm
-    run's member loading (500 files).  The buffer is sized by fstat: asking for a large
-    fixed one costs a fresh allocation per read, which was most of this function's time."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        chunks = []
-        size = os.fstat(fd).st_size + 1
-        while chunk := os.read(fd, size):
-            chunks.append(chunk)
-            size = 1 << 16  # a file that grew; the read that finds the end is cheap
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def _parse(data: bytes) -> tuple[dict[str, list[str]], tuple[tuple, ...], str]:
@@ -324,7 +312,7 @@ def _walk(lines: list[bytes], start: int) -> tuple[list[list[tuple]], list[str]]
             hunk_no = 0
             file_label = _git_line_path(line, index)
             files.append([])
-            file_headers.append(text)
+            file_headers.append(line + "\n")  # without a "\r": unidiff would keep it in paths
             continue
         if line.startswith("@@"):
             match = HUNK_HEADER_RE.fullmatch(line)
@@ -377,7 +365,7 @@ def _walk(lines: list[bytes], start: int) -> tuple[list[list[tuple]], list[str]]
             if named not in (side + file_label, "/dev/null"):
                 expected = f"expected {side}{file_label} or /dev/null"
                 raise InputError(f"{line[:4]}{named!r} does not match the 'diff --git' line ({expected})", line=index)
-            file_headers.append(text)
+            file_headers.append(line + "\n")  # without a "\r": unidiff would keep it in paths
             continue
         if line.startswith("GIT binary patch") or line.startswith("Binary files "):
             raise InputError("binary diffs are not supported", line=index, path=file_label)
@@ -388,7 +376,7 @@ def _walk(lines: list[bytes], start: int) -> tuple[list[list[tuple]], list[str]]
                 )
         if not line.startswith(GIT_HEADER_PREFIXES):
             raise InputError(f"unexpected line in the header of {file_label}: {line[:60]!r}", line=index)
-        file_headers.append(text)
+        file_headers.append(line + "\n")  # without a "\r": unidiff would keep it in paths
     return [[hunk(*spec[:5], tuple(spec[5])) for spec in hunks] for hunks in files], file_headers
 
 
@@ -429,6 +417,8 @@ def _tree_path(raw: str, prefix: str) -> str | None:
     wrapped = f"/{path}/"  # a part that is "", "." or "..", at either end too
     if not path or "//" in wrapped or "/./" in wrapped or "/../" in wrapped or "\\" in path:
         raise InputError(f"path {path!r} is outside the tree (absolute, '..', or empty parts)")
+    if "/.git/" in wrapped.lower():  # git's own files, on any file system's idea of case
+        raise InputError(f"path {path!r} is inside a .git directory")
     return path
 
 
@@ -445,10 +435,14 @@ def _file_patches(file_headers: list[str], hunks: list[list[tuple]]) -> tuple[tu
     for patched, file_hunks in zip(patch_set, hunks, strict=True):
         info = [str(line) for line in patched.patch_info]
         new_mode = next((i.split()[-1] for i in info if i.startswith("new file mode ")), None)
-        if new_mode is not None and new_mode not in ("100644", "100755"):
-            raise InputError(
-                f"file mode {new_mode} is not supported (symlinks and submodules are refused)", path=patched.path
-            )
+        # every form a mode takes in a git diff: a new or deleted file's, and an index line's
+        modes = [i.split()[-1] for i in info if i.startswith(("new file mode ", "deleted file mode "))]
+        modes += [i.split()[2] for i in info if i.startswith("index ") and len(i.split()) == 3]
+        for mode in modes:
+            if mode not in ("100644", "100755"):
+                raise InputError(
+                    f"file mode {mode} is not supported (symlinks and submodules are refused)", path=patched.path
+                )
         old_path = _tree_path(patched.source_file, "a/")
         new_path = _tree_path(patched.target_file, "b/")
         if old_path is None and new_path is None:

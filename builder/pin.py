@@ -8,22 +8,27 @@ without reading 336 MB again; any change of size or mtime makes it hash again.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
-from builder.cache import HashMemo, cache_root
-from builder.errors import InputError, ServiceUnreachable
+from builder.cache import MIB, HashMemo, cache_root
+from builder.errors import InputError, ServiceUnreachable, StorageFailed
 from builder.recipe import WheelPin
 
 CHUNK = 1 << 20
+TIMEOUT = 60  # seconds, for every network read
+# The largest wheel fetched when the index declares no size (vLLM 0.30.0's is 315 MB).
+MAX_WHEEL_BYTES = 2 << 30
+INDEX_PAGE_LIMIT = 16 << 20
 
 
 def sha256_file(path: Path) -> str:
@@ -52,6 +57,8 @@ def pinned_wheel(pin: WheelPin, *, root: Path | None = None, progress: TextIO | 
     root = root or cache_root()
     progress = progress or sys.stderr
     memo = HashMemo(root)
+    if memo.notice:
+        print(memo.notice, file=progress, flush=True)
     label = f"{pin.project} {pin.version} ({pin.wheel})"
     if pin.path is not None:
         if pin.path.is_dir():
@@ -65,22 +72,19 @@ def pinned_wheel(pin: WheelPin, *, root: Path | None = None, progress: TextIO | 
         return pin.path
 
     dest = _cached_wheel(pin, root)
-    if dest.is_file():
-        if memo.known(dest) == pin.sha256:
+    if dest.is_symlink() or dest.exists():
+        if dest.is_file() and memo.known(dest) == pin.sha256:
             return dest
-        if sha256_file(dest) == pin.sha256:
+        if dest.is_file() and sha256_file(dest) == pin.sha256:
             memo.remember(dest, pin.sha256)
             return dest
-        dest.unlink()  # a damaged cache entry is replaced, never trusted
-    url = pin.url or resolve_from_index(pin)
-    _download(url, dest, pin, label, progress)
+        # a damaged cache entry is replaced, never trusted
+        print(f"cache: {dest} does not match its sha256; fetching it again", file=progress, flush=True)
+        dest.unlink()
+    url, declared = (pin.url, None) if pin.url else resolve_from_index(pin)
+    _download(url, dest, pin, label, progress, declared)
     memo.remember(dest, pin.sha256)
     return dest
-
-
-def is_fetched(pin: WheelPin, *, root: Path | None = None) -> bool:
-    """Whether pinned_wheel() needs no download: a local path, or the wheel in the cache."""
-    return pin.path is not None or _cached_wheel(pin, root or cache_root()).is_file()
 
 
 def _cached_wheel(pin: WheelPin, root: Path) -> Path:
@@ -93,9 +97,11 @@ def _expect(pin: WheelPin, actual: str, where: str) -> None:
         raise InputError(f"{where} has sha256 {actual}, the pin says {pin.sha256}", field=f"{pin.project}.sha256")
 
 
-def resolve_from_index(pin: WheelPin) -> str:
-    """Find the wheel's URL in a PEP 691 (JSON) simple index."""
-    import urllib.error  # network modules only when the network is used: they cost 15 ms to import
+def resolve_from_index(pin: WheelPin) -> tuple[str, int | None]:
+    """The wheel's URL in a PEP 691 (JSON) simple index, and its size when the index
+    declares one (PEP 700): the download may not exceed it."""
+    import http.client  # network modules only when the network is used: they cost 15 ms to import
+    import urllib.error
     import urllib.parse
     import urllib.request
 
@@ -103,53 +109,92 @@ def resolve_from_index(pin: WheelPin) -> str:
     page = f"{base}/{pin.project}/"
     req = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            listing = json.load(resp)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
+            body = resp.read(INDEX_PAGE_LIMIT + 1)
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
         raise ServiceUnreachable(f"cannot read the package index {page}: {exc}", field=pin.project) from None
-    for entry in listing.get("files", []):
-        if entry.get("filename") == pin.wheel:
-            return urllib.parse.urljoin(page, entry["url"])
-    raise InputError(f"{pin.wheel} is not listed on {page}", field=f"{pin.project}.wheel")
+    try:
+        if len(body) > INDEX_PAGE_LIMIT:
+            raise ValueError(f"larger than {INDEX_PAGE_LIMIT // MIB} MiB")
+        files = json.loads(body)["files"]
+        entries = [e for e in files if isinstance(e, dict) and e.get("filename") == pin.wheel]
+        if entries and not isinstance(entries[0].get("url"), str):
+            raise ValueError("its entry for the wheel has no url")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ServiceUnreachable(f"the package index {page} answered with no PEP 691 page: {exc}") from None
+    if not entries:
+        raise InputError(f"{pin.wheel} is not listed on {page}", field=f"{pin.project}.wheel")
+    url = urllib.parse.urljoin(page, entries[0]["url"])
+    if not url.startswith(("https://", "http://")):
+        raise InputError(f"the index lists {pin.wheel} at {url}: only http(s) downloads", field=pin.project)
+    size = entries[0].get("size")
+    return url, size if type(size) is int and size > 0 else None
 
 
-def _download(url: str, dest: Path, pin: WheelPin, label: str, progress: TextIO | None) -> None:
-    """Stream ``url`` to a temp file beside ``dest``, hashing as it goes; rename only when verified."""
+def _download(url: str, dest: Path, pin: WheelPin, label: str, progress: TextIO | None, declared: int | None) -> None:
+    """Stream ``url`` to ``.<wheel>.part`` beside ``dest``, hashing as it goes, at most the
+    size the index declared (else MAX_WHEEL_BYTES) and never more than the server's own
+    Content-Length; rename only when verified.  Runs under a lock on the wheel's directory,
+    so a ``.part`` left by a killed run is removed here, never raced."""
     import http.client
     import urllib.error
     import urllib.request
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
-    tmp = Path(tmp_name)
+    ceiling = declared or MAX_WHEEL_BYTES
     try:
-        h = hashlib.sha256()
-        got = 0
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StorageFailed(f"cannot make {dest.parent}: {exc.strerror or exc}") from None
+    tmp = dest.parent / f".{dest.name}.part"
+    with _locked(dest.parent):
         try:
-            with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=60) as resp:
-                total = int(resp.headers.get("Content-Length") or 0)
-                report = _progress_reporter(label, total, progress)
-                while chunk := resp.read(CHUNK):
-                    out.write(chunk)
-                    h.update(chunk)
-                    got += len(chunk)
-                    report(got)
-                report(got, final=True)
-        except http.client.IncompleteRead:
-            got = -1  # the server closed early: reported as truncated below
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-            raise ServiceUnreachable(f"download of {url} failed: {exc}", field=pin.project) from None
-        if got < 0 or (total and got != total):
-            raise InputError(f"download of {url} is truncated (got fewer than {total} bytes)", field=pin.project)
-        _expect(pin, h.hexdigest(), url)
-        check_zip(tmp, f"{pin.project}: {url}")
-        os.replace(tmp, dest)
+            if tmp.exists():
+                print(f"cache: removing {tmp.name}, left by a download that did not finish", file=progress, flush=True)
+                tmp.unlink()
+            h = hashlib.sha256()
+            got = total = 0
+            try:
+                with open(tmp, "wb") as out, urllib.request.urlopen(url, timeout=TIMEOUT) as resp:
+                    total = int(resp.headers.get("Content-Length") or 0)
+                    if total > ceiling:
+                        raise InputError(f"{url} is {total} bytes, more than the {ceiling} allowed", field=pin.project)
+                    report = _progress_reporter(label, total, progress)
+                    while chunk := resp.read(CHUNK):
+                        got += len(chunk)
+                        if got > ceiling or (total and got > total):
+                            limit = min(x for x in (ceiling, total) if x)
+                            raise InputError(f"download of {url} exceeds {limit} bytes", field=pin.project)
+                        out.write(chunk)
+                        h.update(chunk)
+                        report(got)
+                    report(got, final=True)
+            except http.client.IncompleteRead:
+                got = -1  # the server closed early: reported as truncated below
+            except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as exc:
+                raise ServiceUnreachable(f"download of {url} failed: {exc}", field=pin.project) from None
+            if got < 0 or (total and got != total):
+                raise InputError(f"download of {url} is truncated (got fewer than {total} bytes)", field=pin.project)
+            _expect(pin, h.hexdigest(), url)
+            check_zip(tmp, f"{pin.project}: {url}")
+            os.replace(tmp, dest)
+        except OSError as exc:
+            raise StorageFailed(f"cannot write {tmp}: {exc.strerror or exc}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+    try:
+        dest.parent.rmdir()  # leaves nothing behind when the download failed
+    except OSError:
+        pass
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
-        tmp.unlink(missing_ok=True)
-        try:
-            dest.parent.rmdir()  # leaves nothing behind when the download failed
-        except OSError:
-            pass
+        os.close(fd)
 
 
 def _progress_reporter(label: str, total: int, stream: TextIO | None) -> Callable[..., None]:

@@ -12,10 +12,12 @@ from typing import Any
 
 import yaml
 
-from builder.cache import atomic_write
+from builder.cache import MIB, atomic_write, read_regular
 from builder.errors import InputError
+from builder.recipe import load_yaml
 
 DEFAULT = Path(__file__).resolve().parent.parent / "images" / "produced.yaml"
+PRODUCED_LIMIT = 64 * MIB
 HEADER = "# Produced-image rows, written by `vllm-overlay image`; newest last. Do not edit by hand.\n"
 
 
@@ -26,15 +28,20 @@ def produced_path() -> Path:
 def load_rows(path: Path | None = None) -> list[dict[str, Any]]:
     path = path or produced_path()
     try:
-        rows = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = read_regular(path, PRODUCED_LIMIT, "the produced-image rows").decode("utf-8")
     except FileNotFoundError:
         return []
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read produced-image rows: {exc}", file=path) from None
+    rows = load_yaml(text, path)
     if rows is None:
         return []
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise InputError("expected a list of produced-image rows", file=path)
+    for number, row in enumerate(rows):
+        for field in ("recipe", "runtime_key", "image_key", "image", "digest", "time"):
+            if not isinstance(row.get(field, ""), str):
+                raise InputError("expected a string", file=path, field=f"row {number}: {field}")
     return rows
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from builder.cache import MIB, read_regular
 from builder.errors import InputError
 
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -26,9 +27,13 @@ TORCH_VERSION_RE = re.compile(r"\d+(\.\d+)*(\+[a-z0-9]+)?")
 # PEP 440 public versions, the forms pins actually use (1.2.3, 0.6.18.post1, 0.7.0rc1).
 VERSION_RE = re.compile(r"\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?")
 MEMBER_NAME_RE = re.compile(r"[a-z0-9_]+")
+RECIPE_LIMIT = 1 * MIB  # the largest recipe file read
 RECIPE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]*")
 WHEEL_NAME_RE = re.compile(r"[A-Za-z0-9_.+-]+\.whl")
-URL_RE = re.compile(r"(https?|file)://[^\s'\"\\`$;|&<>(){}]+")
+# Printable ASCII only: a URL reaches the Dockerfile (pip options, the source label), where a
+# control or bidirectional character could hide what it says.
+URL_RE = re.compile(r"(https?|file)://[!#%*+,\-./0-9:=?@A-Z\[\]^_a-z~]+")
+HTTP_URL_RE = re.compile(r"https?://[!#%*+,\-./0-9:=?@A-Z\[\]^_a-z~]+")
 # A container image reference: [registry[:port]/]path[:tag][@sha256:digest].
 IMAGE_REF_RE = re.compile(
     r"[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*"
@@ -131,7 +136,7 @@ def _string(pattern: re.Pattern[str] | None = None, expected: str = "") -> Calla
                 f"expected a string{' (quote it)' if isinstance(value, (int, float)) else ''}, got {_show(value)}",
             )
         if pattern is not None and not pattern.fullmatch(value):
-            raise _field_error(where, f"expected {expected}, got {value!r}")
+            raise _field_error(where, f"expected {expected}, got {_quoted(value)}")
         return value
 
     return check
@@ -146,7 +151,7 @@ def _members(where: str, value: Any) -> tuple[str, ...]:
         if not isinstance(name, str) or not MEMBER_NAME_RE.fullmatch(name):
             raise _field_error(item, f"expected a member name matching [a-z0-9_]+, got {_show(name)}")
         if name in seen:
-            raise _field_error(item, f"duplicate member {name!r}")
+            raise _field_error(item, f"duplicate member {_quoted(name)}")
         seen.add(name)
     return tuple(value)
 
@@ -173,9 +178,10 @@ def _mapping(schema: dict[str, _Field]) -> Callable[[str, Any], dict[str, Any]]:
         prefix = f"{where}." if where else ""
         for key in value:
             if key not in schema:
-                close = difflib.get_close_matches(str(key), list(schema), n=1)
+                label = key if isinstance(key, str) else _quoted(key)
+                close = difflib.get_close_matches(label, list(schema), n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
-                raise _field_error(f"{prefix}{key}", f"unknown field ({hint}expected one of: {', '.join(schema)})")
+                raise _field_error(f"{prefix}{label}", f"unknown field ({hint}expected one of: {', '.join(schema)})")
         out: dict[str, Any] = {}
         for key, spec in schema.items():
             if key not in value:
@@ -191,6 +197,7 @@ def _mapping(schema: dict[str, _Field]) -> Callable[[str, Any], dict[str, Any]]:
 _SHA256 = _string(SHA256_RE, "64 lowercase hex digits")
 _VERSION = _string(VERSION_RE, "a version like 0.30.0 or 0.6.18.post1")
 _URL = _string(URL_RE, "an http(s):// or file:// URL without spaces or shell characters")
+_HTTP_URL = _string(HTTP_URL_RE, "an http(s):// URL without spaces or shell characters (a local file: use path)")
 _PATH = _string(re.compile(r"[^\0\n]+"), "a path")
 _REASON = _string(REASON_RE, "a short reason in plain words (letters, digits, spaces and , . : ; ( ) / + _ = -)")
 _REPOSITORY = _string(REPOSITORY_RE, "an image repository like ghcr.io/org/vllm-overlay")
@@ -201,8 +208,8 @@ def _pin_schema(wheel_required: bool) -> dict[str, _Field]:
         "version": _Field(_VERSION),
         "wheel": _Field(_string(WHEEL_NAME_RE, "a wheel file name ending in .whl"), required=wheel_required),
         "sha256": _Field(_SHA256),
-        "url": _Field(_URL, required=False),
-        "index": _Field(_URL, required=False),
+        "url": _Field(_HTTP_URL, required=False),
+        "index": _Field(_HTTP_URL, required=False),
         "path": _Field(_PATH, required=False),
     }
 
@@ -274,9 +281,32 @@ def _field_error(where: str, what: str) -> InputError:
 
 def _show(value: Any) -> str:
     if isinstance(value, str):
-        return repr(value)
+        return _quoted(value)
     kind = {dict: "a mapping", list: "a list", bool: "a boolean", type(None): "nothing"}.get(type(value))
-    return kind or f"{type(value).__name__} {value!r}"
+    return kind or f"{type(value).__name__} {_quoted(value)[:80]}"
+
+
+def _quoted(value: Any) -> str:
+    """repr(), at most 80 characters; safe for any value YAML makes (an integer of
+    thousands of digits cannot be turned into a string)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return "(a number too long to show)"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def load_yaml(text: str, path: Path) -> Any:
+    """YAML with the strict safe loader; anything it refuses is one InputError naming the line."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        line = mark.line + 1 if mark is not None else None
+        raise InputError(f"invalid YAML: {problem}", file=path, line=line) from None
+    except (ValueError, TypeError, RecursionError) as exc:  # e.g. an integer too long to convert
+        raise InputError(f"invalid YAML: {_quoted(str(exc))}", file=path) from None
 
 
 class _StrictLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
@@ -287,8 +317,13 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
     keys: set[Any] = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:
+            mark = key_node.start_mark
+            raise yaml.constructor.ConstructorError(None, None, "a key that is a list or a mapping", mark) from None
         if key in keys:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {_quoted(key)}", key_node.start_mark)
         keys.add(key)
     return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)  # type: ignore[arg-type]
 
@@ -300,18 +335,14 @@ def load_recipe(path: str | Path) -> Recipe:
     """Read and validate a recipe; any problem is an InputError naming the field path."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular(path, RECIPE_LIMIT, "a recipe").decode("utf-8")
     except FileNotFoundError:
         raise InputError("recipe not found", file=path) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read recipe: {exc}", file=path) from None
-    try:
-        raw = yaml.load(text, Loader=_StrictLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        line = mark.line + 1 if mark is not None else None
-        raise InputError(f"invalid YAML: {problem}", file=path, line=line) from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"cannot read recipe: not UTF-8 ({exc.reason} at byte {exc.start})", file=path) from None
+    except OSError as exc:
+        raise InputError(f"cannot read recipe: {exc.strerror or exc}", file=path) from None
+    raw = load_yaml(text, path)
     try:
         data = RECIPE_SCHEMA("", raw)
         base = path.parent

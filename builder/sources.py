@@ -16,9 +16,9 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-from builder.cache import atomic_write
+from builder.cache import atomic_write, read_regular
 from builder.errors import InputError
-from builder.members import _git_line_path, member_bytes, parse_member, read_file, split_lines
+from builder.members import MEMBER_LIMIT, _git_line_path, member_bytes, parse_member, split_lines
 from builder.recipe import Recipe
 
 SOURCE_SUFFIX = ".py"
@@ -94,7 +94,7 @@ def expected_bytes(path: Path, name: str, data: bytes, source: bytes) -> bytes:
 
 def _read_source(path: Path, name: str) -> bytes:
     try:
-        return read_file(source_of(path))
+        return read_regular(source_of(path), MEMBER_LIMIT, "a member's source")
     except OSError as exc:
         raise InputError(f"cannot read {source_of(path)}: {exc}", file=path, member=name) from None
 

@@ -215,6 +215,21 @@ def ensure_image(
     """The image for ``rendered``'s image key: an image this builder made for it in the
     engine, or its ik- tag in the registry, else a build.  Tagged, pushed if asked, and
     recorded in the produced rows once (only after success)."""
+    from docker.errors import DockerException
+    from requests.exceptions import RequestException
+
+    try:
+        return _ensure_image(recipe, rendered, files, push, progress)
+    except (DockerException, RequestException) as exc:  # the engine failed mid-way: a service, one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ServiceUnreachable(
+            f"Docker engine at {os.environ.get('DOCKER_HOST', 'the default socket')}: {first}"
+        ) from None
+
+
+def _ensure_image(
+    recipe: Recipe, rendered: RenderedImage, files: dict[str, bytes], push: bool, progress: Progress
+) -> Made:
     tags = tags_for(recipe, rendered)
     client = docker_client()
     built = local_image(client, rendered.image_key)

@@ -62,7 +62,7 @@ class HashMemo:
             entries = json.loads(read_regular(self.file, 16 * MIB, "the verified-hash memo"))
         except FileNotFoundError:
             return
-        except (OSError, ValueError, InputError):
+        except (OSError, ValueError, RecursionError, InputError):
             self.notice = f"cache: {self.file} is unreadable; hashing again"
             return
         if isinstance(entries, dict) and all(_memo_entry(v) for v in entries.values()):

@@ -15,9 +15,10 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from builder import api
-from builder.errors import OverlayError
+from builder.errors import InputError, OverlayError
 
 DEFAULT_RECIPE = "recipes/v41-sm120.yaml"
 
@@ -87,8 +88,18 @@ def cmd_members(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose errors (usage and a message, from the top level or a command) become
+    the one line every other error is."""
+
+    def error(self, message: str) -> NoReturn:
+        raise InputError(
+            f"{message} (see {self.prog} --help)", field=self.prog.removeprefix("vllm-overlay").strip() or None
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm-overlay", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="vllm-overlay", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="on an internal error, show its traceback")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -139,9 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:  # everything after it is the rank's vllm serve argv, passed on untouched
         at = argv.index("--")
         argv, serve_argv = argv[:at], argv[at + 1 :]
-    args = build_parser().parse_args(argv)
-    args.serve_argv = serve_argv
+    debug = "--debug" in argv
     try:
+        args = build_parser().parse_args(argv)
+        args.serve_argv = serve_argv
         return args.func(args)
     except OverlayError as exc:
         print(f"vllm-overlay: {exc}", file=sys.stderr)
@@ -153,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except Exception as exc:  # a bug: one line and where, the traceback only when asked for
-        if args.debug:
+        if debug:
             raise
         frame = traceback.extract_tb(exc.__traceback__)[-1]
         where = f"{Path(frame.filename).name}:{frame.lineno}"

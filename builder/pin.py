@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 import zipfile
@@ -72,6 +73,7 @@ def pinned_wheel(pin: WheelPin, *, root: Path | None = None, progress: TextIO | 
         return pin.path
 
     dest = _cached_wheel(pin, root)
+    _remove_stale_part(dest, progress)
     if dest.is_symlink() or dest.exists():
         if dest.is_file() and memo.known(dest) == pin.sha256:
             return dest
@@ -80,7 +82,7 @@ def pinned_wheel(pin: WheelPin, *, root: Path | None = None, progress: TextIO | 
             return dest
         # a damaged cache entry is replaced, never trusted
         print(f"cache: {dest} does not match its sha256; fetching it again", file=progress, flush=True)
-        dest.unlink()
+        _remove(dest)
     url, declared = (pin.url, None) if pin.url else resolve_from_index(pin)
     _download(url, dest, pin, label, progress, declared)
     memo.remember(dest, pin.sha256)
@@ -145,12 +147,9 @@ def _download(url: str, dest: Path, pin: WheelPin, label: str, progress: TextIO 
         dest.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise StorageFailed(f"cannot make {dest.parent}: {exc.strerror or exc}") from None
-    tmp = dest.parent / f".{dest.name}.part"
+    tmp = _part(dest)
     with _locked(dest.parent):
         try:
-            if tmp.exists():
-                print(f"cache: removing {tmp.name}, left by a download that did not finish", file=progress, flush=True)
-                tmp.unlink()
             h = hashlib.sha256()
             got = total = 0
             try:
@@ -181,10 +180,35 @@ def _download(url: str, dest: Path, pin: WheelPin, label: str, progress: TextIO 
             raise StorageFailed(f"cannot write {tmp}: {exc.strerror or exc}") from None
         finally:
             tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                dest.parent.rmdir()  # empty only when the download failed: then nothing is left
+
+
+def _part(dest: Path) -> Path:
+    return dest.parent / f".{dest.name}.part"
+
+
+def _remove_stale_part(dest: Path, progress: TextIO) -> None:
+    """A ``.part`` left by a killed download goes (under the lock: a download running now
+    holds it, and removes or renames its own ``.part`` before letting go)."""
+    tmp = _part(dest)
+    if not (tmp.exists() or tmp.is_symlink()) or not dest.parent.is_dir():
+        return
+    with _locked(dest.parent):
+        if tmp.exists() or tmp.is_symlink():
+            print(f"cache: removing {tmp.name}, left by a download that did not finish", file=progress, flush=True)
+            _remove(tmp)
+
+
+def _remove(path: Path) -> None:
+    """A cache entry, whatever it has become (a file, a link, a directory)."""
     try:
-        dest.parent.rmdir()  # leaves nothing behind when the download failed
-    except OSError:
-        pass
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except OSError as exc:
+        raise StorageFailed(f"cannot remove the damaged cache entry {path}: {exc.strerror or exc}") from None
 
 
 @contextlib.contextmanager

@@ -309,8 +309,10 @@ def load_yaml(text: str, path: Path) -> Any:
         raise InputError(f"invalid YAML: {_quoted(str(exc))}", file=path) from None
 
 
-class _StrictLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
-    """The safe loader, refusing duplicate keys (PyYAML silently keeps the last)."""
+class _StrictLoader(yaml.SafeLoader):
+    """The safe loader, refusing duplicate keys (PyYAML silently keeps the last).  The pure
+    Python one: libyaml's C parser crashes the process on input nested 100,000 deep, where
+    this one raises RecursionError (a recipe costs it a few milliseconds)."""
 
 
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:

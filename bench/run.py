@@ -9,6 +9,8 @@ Issue 11 (the bars of issue 2, as revised):
   - key of 500 members (issue 2: < 100 ms)
 Issue 4 (bench/image.py): a member change's rebuild against a full build (<= 0.1), the overlay
 layers against the touched files' bytes (<= 64 KiB over), `plan` when nothing changed (< 0.5 s).
+Issue 12: 1,000 and 8,000 hunks in one file, fresh and after an earlier member touched it:
+time(8000)/time(1000), linear ~ 8 (it was quadratic), beside the figures before the change.
 """
 
 from __future__ import annotations
@@ -226,6 +228,72 @@ def bench_500(wheel: Path) -> None:
     print(f"   {verdict(r['key'] < 0.1)}")
 
 
+# Issue 12: builder/apply.py as of c45f7f8 (before placement was made linear) on bench_many_hunks'
+# own inputs, seconds, medians of 5 (1,000 hunks) and 3 (8,000) runs interleaved with the
+# change's, on the 2-core machine the change was made on (loaded: its figures swing by 1.5x).
+MANY_HUNKS_BEFORE = {"fresh": (0.26, 24.0), "after an earlier member": (0.34, 24.8)}
+
+
+def many_hunk_members(count: int, touched: bool, work: Path) -> tuple[Path, list[Path]]:
+    """A tree with one file of 10 * count lines and the members that patch it: the last edits
+    every tenth line (``count`` hunks), from a diff made against a copy one line short at 500
+    of every 1000 and one over at 900, so the hunks in between are one line off; when
+    ``touched``, an earlier member first adds 4 lines at the top (every hunk 4 more off) and
+    rewrites a line every 200 that the last member already has (its hunks read them).
+    tests/test_apply_model.py checks files of this shape against git apply."""
+    path = "pkg/big.py"
+    lines = [b"line %d: value = %d\n" % (i, i * 7 % 1000) for i in range(10 * count)]
+    earlier = {i: b"# earlier member %d\n" % i for i in range(3, len(lines), 200)} if touched else {}
+    base = b"".join(lines)
+    diffs = []
+    if touched:
+        first = [b"# earlier member\n"] * 4 + [earlier.get(i, line) for i, line in enumerate(lines)]
+        diffs.append(git_diff({path: base}, {path: b"".join(first)}))
+    before, after = [], []
+    for i, line in enumerate(lines):
+        if i % 1000 == 500:
+            continue
+        line = earlier.get(i, line)
+        pad = b"# pad\n" if i % 1000 == 900 else b""
+        before.append(line + pad)
+        after.append((b"edited %d\n" % i if i % 10 == 5 else line) + pad)
+    diffs.append(git_diff({path: b"".join(before)}, {path: b"".join(after)}))
+    (work / "tree" / "pkg").mkdir(parents=True)
+    (work / "tree" / path).write_bytes(base)
+    patches = []
+    for i, diff in enumerate(diffs):
+        patches.append(work / f"m{i}.patch")
+        patches[-1].write_text(member_text(diff))
+    return work / "tree", patches
+
+
+def bench_many_hunks() -> None:
+    """Placing the hunks only (apply_members in this process; the members are parsed first)."""
+    from builder.apply import apply_members
+    from builder.members import load_member
+    from builder.tree import DirTree
+
+    print("many hunks in one file, apply_members in process (medians of 5 interleaved runs):")
+    print(f"  {'':26}{'1,000 hunks':>12}{'8,000 hunks':>13}{'8000/1000':>11}     before (c45f7f8)")
+    with tempfile.TemporaryDirectory(dir=scratch_dir()) as tmp:
+        for label, touched in (("fresh", False), ("after an earlier member", True)):
+            inputs = {}
+            for count in (1000, 8000):
+                root, patches = many_hunk_members(count, touched, Path(tmp, f"{touched}-{count}"))
+                inputs[count] = (DirTree(root), [load_member(p) for p in patches])
+            times: dict[int, list[float]] = {1000: [], 8000: []}
+            for _ in range(5):
+                for count, (tree, members) in inputs.items():
+                    start = time.perf_counter()
+                    apply_members(tree, members)
+                    times[count].append(time.perf_counter() - start)
+            small, big = (statistics.median(times[count]) for count in (1000, 8000))
+            old_small, old_big = MANY_HUNKS_BEFORE[label]
+            print(f"  {label:26}{small:10.3f} s{big:11.3f} s{big / small:11.1f}", end="")
+            print(f"     {old_small:.2f} s, {old_big:.1f} s, ratio {old_big / old_small:.0f}")
+    print("  linear: ratio ~ 8; quadratic: ~ 64")
+
+
 def main() -> None:
     pin = load_recipe(DEFAULT_RECIPE).vllm
     pinned_tree(pin).read("vllm/__init__.py")  # the wheel fetched and verified once, as any run does
@@ -234,6 +302,8 @@ def main() -> None:
     bench_check(wheel)
     print()
     bench_500(wheel)
+    print()
+    bench_many_hunks()
     print()
     from bench.image import main as image_bench
 

@@ -186,7 +186,7 @@ def _apply_file(fp: FilePatch, state: FileState, member: str, result: MemberResu
         earlier = runs.replace(line, hunk, member)
         if earlier:
             result.overlaps.append(Overlap(path, hunk, earlier))
-        image.replace(start, len(hunk.old_block), hunk.new_block)
+        image.replace(start, len(hunk.old_block), hunk.new_block, line)
     data = image.joined()
     if fp.new_path is None:
         if data:
@@ -215,11 +215,18 @@ class _Image:
     it searches when that window straddles two parts.
     """
 
-    __slots__ = ("left", "lines", "pend", "pat", "data", "cur", "size")
+    __slots__ = ("left", "lines", "phantom", "pend", "pat", "data", "cur", "size")
 
     def __init__(self, data: bytes) -> None:
         self.left = bytearray()
         self.lines = 0  # newlines in left
+        # Lines numbered at and past the gap beyond its newlines.  git numbers the lines of its
+        # image, and keeps a last line without newline a line of its own when lines are inserted
+        # after it (a hunk without old lines, pinned to the end): the lines after it are
+        # numbered one more than the newlines before them.  Only then is this not 0, with the
+        # gap at the end; it lasts while hunks land there, and a hunk placed before it or whose
+        # new lines end without newline ends it, as apply did before it worked in parts.
+        self.phantom = 0
         self.pend = b""
         self.pat = 0
         self.data = data
@@ -269,9 +276,12 @@ class _Image:
         return buf.startswith(old, pos + shift)
 
     def line_at(self, pos: int) -> int:
-        """Newlines before ``pos``: its line, when it starts one."""
+        """The line ``pos`` starts, when it starts one: the newlines before it (and ``phantom``
+        at or past the gap)."""
         gap = len(self.left)
-        return self.lines + self.count(gap, pos) if pos >= gap else self.lines - self.count(pos, gap)
+        if pos >= gap:
+            return self.lines + self.phantom + self.count(gap, pos)
+        return self.lines - self.count(pos, gap)
 
     def _newline_after(self, pos: int) -> int:
         for buf, start, end, at in self._parts(pos, self.size):
@@ -343,9 +353,11 @@ class _Image:
         """Where ``line`` starts (after the file's line-th newline); None if the file has fewer."""
         if line == 0:
             return 0
-        if line > self.lines:
-            found = self._nth_newline(len(self.left), line - self.lines)
+        if line > self.lines + self.phantom:
+            found = self._nth_newline(len(self.left), line - self.lines - self.phantom)
             return None if found < 0 else found + 1
+        if line > self.lines:
+            return None  # a number only the lines at the gap, the end, have (see phantom)
         if line < self.lines - line:
             return self._nth_newline(0, line) + 1
         return self._nth_newline_before(len(self.left), self.lines - line + 1) + 1
@@ -426,7 +438,7 @@ class _Image:
         The usual case, in two searches: the first match is looked for only as far as ``line``
         would lie if lines were 4 times longer than the file's lines so far and ``old``'s (or 64
         bytes), so that a miss costs in proportion to the lines to ``line`` too."""
-        ahead = line - self.lines
+        ahead = line - self.lines - self.phantom
         left, data, cur = self.left, self.data, self.cur
         if ahead < 0 or self.pat < len(self.pend):
             return -1
@@ -439,28 +451,34 @@ class _Image:
             return -1
         return len(left) + found - cur
 
-    def replace(self, start: int, length: int, new: bytes) -> None:
-        """image[start:start + length] = new, the gap moved to start (usually forward)."""
+    def replace(self, start: int, length: int, new: bytes, line: int) -> None:
+        """image[start:start + length] = new, the gap moved to start (usually forward); ``line``
+        is the line the hunk was placed at, so the newlines before start need no counting."""
         gap = len(self.left)
+        # its line is the newlines before it, but past the gap and after a last line without one
+        newlines = (
+            line - (self.phantom if start >= gap else 0) - (not length and start > 0 and self.byte(start - 1) != 10)
+        )
+        self.phantom = line - newlines if not new or new.endswith(b"\n") else 0
         if start < gap:  # placed before the last hunk's end: the bytes after it go back out of left
-            self.lines -= self.left.count(b"\n", start)
             self.pend, self.pat = b"".join((self.left[start:], memoryview(self.pend)[self.pat :])), 0
             del self.left[start:]
-        elif start > gap:
-            self.lines += self.count(gap, start)
-            take = min(start - gap, len(self.pend) - self.pat)
-            self.left += memoryview(self.pend)[self.pat : self.pat + take]
-            self.pat += take
-            rest = start - gap - take
-            self.left += memoryview(self.data)[self.cur : self.cur + rest]
-            self.cur += rest
-        take = min(length, len(self.pend) - self.pat)
-        self.pat += take
-        self.cur += length - take
-        if self.pat == len(self.pend):
-            self.pend, self.pat = b"", 0
+            gap = start
+        keep, skip = start - gap, length  # bytes after the gap: kept up to start, then the old lines
+        if self.pend:
+            take = min(keep, len(self.pend) - self.pat)
+            if take:
+                self.left += memoryview(self.pend)[self.pat : self.pat + take]
+            drop = min(skip, len(self.pend) - self.pat - take)
+            self.pat += take + drop
+            keep, skip = keep - take, skip - drop
+            if self.pat == len(self.pend):
+                self.pend, self.pat = b"", 0
+        if keep:
+            self.left += memoryview(self.data)[self.cur : self.cur + keep]
+        self.cur += keep + skip
         self.left += new
-        self.lines += new.count(b"\n")
+        self.lines = newlines + new.count(b"\n")
         self.size += len(new) - length
 
 
@@ -511,7 +529,7 @@ class _Runs:
 
     ``low`` holds the runs before the last replaced place, in the file's current line numbers;
     ``high`` the runs after it, nearest last, each stored minus ``shift`` (the lines the hunks
-    so far added): a hunk moves only the runs between it and the hunk before, so hunks in file
+    so far added, net): a hunk moves only the runs between it and the hunk before, so hunks in file
     order cost their own size, however many runs the file has.
     """
 
@@ -537,7 +555,7 @@ class _Runs:
         end = line + hunk.old_len
         moved = hunk.new_len - hunk.old_len
         inside: list[Owned] = []  # the parts of runs within the replaced lines
-        after: list[Owned] = []
+        after: Owned | None = None  # the part past the replaced lines of the last run read, if any
         while high and high[-1][0] + shift < end:
             first, stop, who = high.pop()
             first, stop = first + shift, stop + shift
@@ -545,11 +563,13 @@ class _Runs:
                 low.append((first, line, who))
             inside.append((max(first, line), min(stop, end), who))
             if stop > end:
-                after.append((max(first, end) + moved, stop + moved, who))
+                after = (max(first, end) + moved, stop + moved, who)
         self.shift = shift = shift + moved
-        high.extend((first - shift, stop - shift, who) for first, stop, who in reversed(after))
+        if after is not None:
+            high.append((after[0] - shift, after[1] - shift, after[2]))
         if not inside:  # it reads no member's lines: only its own added lines are new runs
-            low.extend((line + first, line + stop, member) for first, stop in hunk.added_runs)
+            for first, stop in hunk.added_runs:
+                low.append((line + first, line + stop, member))
             return ()
         at = 0  # the first run of inside that may hold the old line looked up
 

@@ -12,13 +12,21 @@ on which earlier members a hunk reads.  The differential tests against real
 
 from __future__ import annotations
 
+import collections
+import functools
 import random
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from builder.apply import FileState, HunkFailure, MemberResult, _apply_file, find_hunk
-from builder.members import FilePatch, Hunk
+from builder import apply
+from builder.apply import FileState, HunkFailure, MemberResult, _apply_file, apply_members, find_hunk
+from builder.members import FilePatch, Hunk, load_member
 from builder.members import hunk as make_hunk
+from builder.tree import DirTree
+from tools.synthetic import git_diff, member_text
 
 ALPHABET = [b"a\n", b"b\n", b"\n", b"a\r\n", b"    x = 1\n", b"b"]
 
@@ -158,3 +166,204 @@ def test_a_match_must_start_at_a_line_boundary_and_a_last_line_without_newline_e
     tail = make_hunk(1, 3, 1, 3, 1, ((" ", b"b"),))  # context "b" with no newline: only the file's end
     assert find_hunk(b"b\nb\nb", tail, 0) == (2, 4)
     assert find_hunk(b"b\nb\nbc", tail, 0) is None
+
+
+def test_lines_inserted_after_a_last_line_without_newline_are_numbered_as_git_does(tmp_path):
+    """git keeps such a last line a line of its own when lines are inserted after it (by a
+    hunk without old lines, pinned to the end): the lines after it are numbered one more than
+    the newlines before them, so each further insertion there is one more line off.  git diff
+    writes no such hunks, but apply places them as git apply does."""
+    (tmp_path / "f").write_bytes(b"a\nb")
+    (tmp_path / "p.patch").write_text("diff --git a/f b/f\n--- a/f\n+++ b/f\n" + "@@ -3,0 +3,1 @@\n+c\n" * 3)
+    proc = subprocess.run(["git", "apply", "-v", "p.patch"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    theirs = re.findall(r"Hunk #(\d+) succeeded at \d+ \(offset (-?\d+) lines?\)", proc.stderr)
+    hunks = tuple(make_hunk(number, 3, 0, 3, 1, (("+", b"c\n"),)) for number in (1, 2, 3))
+    result = MemberResult(member=None)  # type: ignore[arg-type]
+    got = _apply_file(FilePatch("f", "f", None, hunks), FileState(b"a\nb"), "m", result)
+    assert got.data == (tmp_path / "f").read_bytes() == b"a\nbc\nc\nc\n"
+    assert [(str(o.hunk.number), str(o.offset)) for o in result.offsets] == theirs == [("2", "1"), ("3", "2")]
+
+
+def random_long_file(rng: random.Random) -> list[bytes]:
+    """Up to 300 lines, most from the alphabet (so hunks match in many places), some rarer."""
+    lines = [
+        rng.choice(ALPHABET[:-1]) if rng.random() < 0.7 else b"u%d\n" % rng.randrange(50)
+        for _ in range(rng.randrange(0, 300))
+    ]
+    if lines and lines[-1] != b"\n" and rng.random() < 0.2:
+        lines[-1] = lines[-1].rstrip(b"\n")
+    return lines
+
+
+def hunk_in_order(rng: random.Random, lines: list[bytes], number: int, at: int) -> tuple[Hunk, int]:
+    """A hunk as diffs have them: mostly at or after ``at`` (where the one before it ended),
+    with trailing context, its header's lines a little or a lot off; and the next ``at``."""
+    if lines and rng.random() < 0.98:
+        start = min(at, len(lines) - 1) if rng.random() < 0.8 else rng.randrange(0, len(lines))
+        old = lines[start : start + rng.randrange(1, 6)]
+    else:
+        start = rng.randrange(0, 30)
+        old = [rng.choice(ALPHABET) for _ in range(rng.randrange(0, 4))]
+    body: list[tuple[str, bytes]] = []
+    for i, text in enumerate(old):
+        body.append((" " if i == len(old) - 1 and rng.random() < 0.98 else rng.choice(" -"), text))
+        if rng.random() < (0.3 if i < len(old) - 1 else 0.02):  # an added last line: pinned to the end
+            body.append(("+", rng.choice(ALPHABET[:-1])))
+    if not body or rng.random() < 0.3:
+        body.insert(rng.randrange(0, max(len(body), 1)), ("+", rng.choice(ALPHABET[:-1])))
+    ends = [i for i, (kind, text) in enumerate(body) if not text.endswith(b"\n")]
+    if ends and body[ends[0]][0] == " " and any(k == "+" for k, _ in body[ends[0] :]):
+        body[ends[0]] = ("-", body[ends[0]][1])
+        body.append(("+", body[ends[0]][1]))
+    old_len = sum(k != "+" for k, _ in body)
+    new_len = sum(k != "-" for k, _ in body)
+    old_start = (start + 1 if rng.random() < 0.95 else rng.randrange(1, 40)) if old_len else rng.choice([0, 1])
+    if old_start == 1 and old_len and rng.random() < 0.7:
+        old_start = 2  # mostly not pinned to the start, so that the search is what is tested
+    new_start = max(old_start + rng.choice([0, 0, 0, rng.randrange(-8, 9), rng.randrange(-40, 41)]), 0)
+    return make_hunk(number, old_start, old_len, new_start, new_len, tuple(body)), start + len(old) + rng.randrange(12)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_many_hunks_in_order_on_longer_files_agree_with_the_line_model(seed, monkeypatch):
+    """The search's windows and the file's parts (before the last hunk's end, after it, and
+    what a hunk placed further back moved out) on files long enough to cross them: windows
+    of a byte or two, or of the real size, so that every edge is crossed somewhere."""
+    rng = random.Random(seed)
+    placed = failed = offset = overlapped = 0
+    for _ in range(700):
+        monkeypatch.setattr(apply, "_WINDOW", rng.choice([1, 2, 7, 512]))
+        monkeypatch.setattr(apply, "_LINE_GUESS", rng.choice([1, 3, 64]))
+        lines = random_long_file(rng)
+        owners: list[str | None] = [None] * len(lines)
+        state = FileState(b"".join(lines))
+        for member in ("m1", "m2", "m3"):
+            hunks, at = [], 0
+            for number in range(1, rng.randrange(2, rng.choice([4, 8, 20]))):
+                hunk, at = hunk_in_order(rng, lines, number, at)
+                hunks.append(hunk)
+            expected = model_apply(lines, owners, hunks, member)
+            result = MemberResult(member=None)  # type: ignore[arg-type]
+            try:
+                got = _apply_file(FilePatch("f", "f", None, tuple(hunks)), state, member, result)
+            except HunkFailure:
+                assert expected is None, (lines, hunks)
+                failed += 1
+                continue
+            assert expected is not None, (lines, hunks)
+            lines, owners, offsets, overlaps = expected
+            assert got.data == b"".join(lines), (hunks,)
+            assert [(o.hunk.number, o.offset) for o in result.offsets] == offsets
+            assert [(o.hunk.number, o.earlier) for o in result.overlaps] == overlaps
+            assert owners_of(got, len(lines)) == owners
+            placed += 1
+            offset += bool(offsets)
+            overlapped += bool(overlaps)
+            state = got
+    assert min(placed, failed, offset, overlapped) > 100, (placed, failed, offset, overlapped)
+
+
+BIG = "pkg/big.py"
+
+
+@functools.cache
+def many_hunks(count: int, touched: bool) -> tuple[bytes, tuple[str, ...]]:
+    """A file of 10 * count lines and the diffs of the members applied to it, in order.
+
+    The last member edits every tenth line (``count`` hunks); its diff was made against a
+    copy that lacks a line at 500 of every 1000 and has one more at 900, so the hunks in
+    between are one line off.  When ``touched``, an earlier member first adds 4 lines at the
+    top (every hunk is 4 more off) and rewrites a line every 200 that the last member's diff
+    already has (so those hunks read the earlier member's lines)."""
+    lines = [b"line %d: value = %d\n" % (i, i * 7 % 1000) for i in range(10 * count)]
+    earlier = {i: b"# earlier member %d\n" % i for i in range(3, len(lines), 200)} if touched else {}
+    base = b"".join(lines)
+    diffs = []
+    if touched:
+        first = [b"# earlier member\n"] * 4 + [earlier.get(i, line) for i, line in enumerate(lines)]
+        diffs.append(git_diff({BIG: base}, {BIG: b"".join(first)}))
+    before, after = [], []
+    for i, line in enumerate(lines):
+        if i % 1000 == 500:
+            continue
+        line = earlier.get(i, line)
+        pad = b"# pad\n" if i % 1000 == 900 else b""
+        before.append(line + pad)
+        after.append((b"edited %d\n" % i if i % 10 == 5 else line) + pad)
+    diffs.append(git_diff({BIG: b"".join(before)}, {BIG: b"".join(after)}))
+    return base, tuple(diffs)
+
+
+def tree_and_members(tmp: Path, count: int, touched: bool) -> tuple[DirTree, list, bytes]:
+    base, diffs = many_hunks(count, touched)
+    (tmp / "tree" / "pkg").mkdir(parents=True)
+    (tmp / "tree" / BIG).write_bytes(base)
+    members = []
+    for i, diff in enumerate(diffs):
+        path = tmp / "overlay" / f"m{i}.patch"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(member_text(diff))
+        members.append(load_member(path))
+    return DirTree(tmp / "tree"), members, base
+
+
+@pytest.mark.parametrize("touched", [False, True], ids=["fresh", "after-an-earlier-member"])
+def test_eight_thousand_hunks_in_one_file_apply_as_git_apply_does(tmp_path, touched):
+    tree, members, base = tree_and_members(tmp_path, 8000, touched)
+    overlay = apply_members(tree, members)
+    ours = [[(str(o.hunk.number), str(o.offset)) for o in r.offsets] for r in overlay.results]
+    assert len(ours[-1]) == 8000 if touched else 0 < len(ours[-1]) < 8000
+    work = tmp_path / "git"
+    (work / "pkg").mkdir(parents=True)
+    (work / BIG).write_bytes(base)
+    theirs = []
+    for member in members:  # git apply, member by member, on a copy of the file
+        proc = subprocess.run(["git", "apply", "-v", str(member.path)], cwd=work, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        theirs.append(re.findall(r"Hunk #(\d+) succeeded at \d+ \(offset (-?\d+) lines?\)", proc.stderr))
+    assert overlay.by_path()[BIG].after == (work / BIG).read_bytes()
+    assert ours == theirs
+    # which earlier lines each hunk read, and who owns each line: as the line model has them
+    lines, owners = base.splitlines(keepends=True), [None] * base.count(b"\n")
+    for member, result in zip(members, overlay.results, strict=True):
+        expected = model_apply(lines, owners, list(member.files[0].hunks), member.name)
+        assert expected is not None
+        lines, owners, _, overlaps = expected
+        assert [(o.hunk.number, o.earlier) for o in result.overlaps] == overlaps
+        assert owners_of(result.staged[BIG], len(lines)) == owners
+    assert len(overlaps) == (8000 // 20 if touched else 0)
+
+
+def test_the_work_of_placing_hunks_grows_with_their_number_not_its_square(tmp_path, monkeypatch):
+    """Not a timing: the byte-level look-ups placing makes (each goes through _Image._parts)
+    and the bytes they span (newlines counted, windows searched or compared), for 1,000 and
+    8,000 hunks in one file.  Eight times as many hunks make about eight times the work;
+    searching or counting lines from the start of the file for each hunk would make 64."""
+    seen: collections.Counter = collections.Counter()
+    parts, count, view = apply._Image._parts, apply._Image.count, apply._Image.view
+
+    def counted_parts(self, lo, hi):
+        seen["look-ups"] += 1
+        return parts(self, lo, hi)
+
+    def counted_count(self, lo, hi):
+        seen["bytes"] += hi - lo
+        return count(self, lo, hi)
+
+    def counted_view(self, lo, hi):
+        seen["bytes"] += hi - lo
+        return view(self, lo, hi)
+
+    monkeypatch.setattr(apply._Image, "_parts", counted_parts)
+    monkeypatch.setattr(apply._Image, "count", counted_count)
+    monkeypatch.setattr(apply._Image, "view", counted_view)
+    for touched in (False, True):
+        work = {}
+        for hunks in (1000, 8000):
+            tree, members, _ = tree_and_members(tmp_path / f"{touched}-{hunks}", hunks, touched)
+            seen.clear()
+            apply_members(tree, members)
+            work[hunks] = dict(seen)
+        for what in ("look-ups", "bytes"):
+            assert work[8000][what] <= 9 * work[1000][what], (touched, work)

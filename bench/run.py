@@ -33,7 +33,15 @@ from builder.cache import cache_root  # noqa: E402
 from builder.pin import pinned_wheel  # noqa: E402
 from builder.recipe import load_recipe  # noqa: E402
 from builder.tree import pinned_tree  # noqa: E402
-from tools.synthetic import DEFAULT_RECIPE, git_diff, member_text, warm_cache_copy, write_recipe  # noqa: E402
+from tools.synthetic import (  # noqa: E402
+    DEFAULT_RECIPE,
+    MANY_HUNKS_FILE,
+    git_diff,
+    many_hunks,
+    member_text,
+    warm_cache_copy,
+    write_recipe,
+)
 
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 
@@ -235,31 +243,11 @@ MANY_HUNKS_BEFORE = {"fresh": (0.26, 24.0), "after an earlier member": (0.34, 24
 
 
 def many_hunk_members(count: int, touched: bool, work: Path) -> tuple[Path, list[Path]]:
-    """A tree with one file of 10 * count lines and the members that patch it: the last edits
-    every tenth line (``count`` hunks), from a diff made against a copy one line short at 500
-    of every 1000 and one over at 900, so the hunks in between are one line off; when
-    ``touched``, an earlier member first adds 4 lines at the top (every hunk 4 more off) and
-    rewrites a line every 200 that the last member already has (its hunks read them).
-    tests/test_apply_model.py checks files of this shape against git apply."""
-    path = "pkg/big.py"
-    lines = [b"line %d: value = %d\n" % (i, i * 7 % 1000) for i in range(10 * count)]
-    earlier = {i: b"# earlier member %d\n" % i for i in range(3, len(lines), 200)} if touched else {}
-    base = b"".join(lines)
-    diffs = []
-    if touched:
-        first = [b"# earlier member\n"] * 4 + [earlier.get(i, line) for i, line in enumerate(lines)]
-        diffs.append(git_diff({path: base}, {path: b"".join(first)}))
-    before, after = [], []
-    for i, line in enumerate(lines):
-        if i % 1000 == 500:
-            continue
-        line = earlier.get(i, line)
-        pad = b"# pad\n" if i % 1000 == 900 else b""
-        before.append(line + pad)
-        after.append((b"edited %d\n" % i if i % 10 == 5 else line) + pad)
-    diffs.append(git_diff({path: b"".join(before)}, {path: b"".join(after)}))
-    (work / "tree" / "pkg").mkdir(parents=True)
-    (work / "tree" / path).write_bytes(base)
+    """A tree holding tools.synthetic.many_hunks' file, and its members written out
+    (tests/test_apply_model.py checks files of this shape against git apply)."""
+    base, diffs = many_hunks(count, touched)
+    (work / "tree" / MANY_HUNKS_FILE).parent.mkdir(parents=True)
+    (work / "tree" / MANY_HUNKS_FILE).write_bytes(base)
     patches = []
     for i, diff in enumerate(diffs):
         patches.append(work / f"m{i}.patch")

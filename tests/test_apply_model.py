@@ -26,7 +26,7 @@ from builder.apply import FileState, HunkFailure, MemberResult, _apply_file, app
 from builder.members import FilePatch, Hunk, load_member
 from builder.members import hunk as make_hunk
 from builder.tree import DirTree
-from tools.synthetic import git_diff, member_text
+from tools.synthetic import MANY_HUNKS_FILE, many_hunks, member_text
 
 ALPHABET = [b"a\n", b"b\n", b"\n", b"a\r\n", b"    x = 1\n", b"b"]
 
@@ -264,35 +264,8 @@ def test_many_hunks_in_order_on_longer_files_agree_with_the_line_model(seed, mon
     assert min(placed, failed, offset, overlapped) > 100, (placed, failed, offset, overlapped)
 
 
-BIG = "pkg/big.py"
-
-
-@functools.cache
-def many_hunks(count: int, touched: bool) -> tuple[bytes, tuple[str, ...]]:
-    """A file of 10 * count lines and the diffs of the members applied to it, in order.
-
-    The last member edits every tenth line (``count`` hunks); its diff was made against a
-    copy that lacks a line at 500 of every 1000 and has one more at 900, so the hunks in
-    between are one line off.  When ``touched``, an earlier member first adds 4 lines at the
-    top (every hunk is 4 more off) and rewrites a line every 200 that the last member's diff
-    already has (so those hunks read the earlier member's lines)."""
-    lines = [b"line %d: value = %d\n" % (i, i * 7 % 1000) for i in range(10 * count)]
-    earlier = {i: b"# earlier member %d\n" % i for i in range(3, len(lines), 200)} if touched else {}
-    base = b"".join(lines)
-    diffs = []
-    if touched:
-        first = [b"# earlier member\n"] * 4 + [earlier.get(i, line) for i, line in enumerate(lines)]
-        diffs.append(git_diff({BIG: base}, {BIG: b"".join(first)}))
-    before, after = [], []
-    for i, line in enumerate(lines):
-        if i % 1000 == 500:
-            continue
-        line = earlier.get(i, line)
-        pad = b"# pad\n" if i % 1000 == 900 else b""
-        before.append(line + pad)
-        after.append((b"edited %d\n" % i if i % 10 == 5 else line) + pad)
-    diffs.append(git_diff({BIG: b"".join(before)}, {BIG: b"".join(after)}))
-    return base, tuple(diffs)
+BIG = MANY_HUNKS_FILE
+many_hunks = functools.cache(many_hunks)  # both parametrizations and the work test share them
 
 
 def tree_and_members(tmp: Path, count: int, touched: bool) -> tuple[DirTree, list, bytes]:

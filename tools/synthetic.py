@@ -108,3 +108,35 @@ def warm_cache_copy(wheel: Path, cache: Path) -> Path:
     memo = json.loads((cache_root() / "verified.json").read_text())
     (cache / "verified.json").write_text(json.dumps({str(wheel.resolve()): memo[str(wheel.resolve())]}))
     return cache
+
+
+MANY_HUNKS_FILE = "pkg/big.py"
+
+
+def many_hunks(count: int, touched: bool) -> tuple[bytes, tuple[str, ...]]:
+    """A file of 10 * count lines (``MANY_HUNKS_FILE``) and the diffs of the members applied
+    to it, in order, for the many-hunk test and bench.
+
+    The last member edits every tenth line (``count`` hunks); its diff was made against a
+    copy that lacks a line at 500 of every 1000 and has one more at 900, so the hunks in
+    between are one line off.  When ``touched``, an earlier member first adds 4 lines at the
+    top (every hunk is 4 more off) and rewrites a line every 200 that the last member's diff
+    already has (so those hunks read the earlier member's lines)."""
+    path = MANY_HUNKS_FILE
+    lines = [b"line %d: value = %d\n" % (i, i * 7 % 1000) for i in range(10 * count)]
+    earlier = {i: b"# earlier member %d\n" % i for i in range(3, len(lines), 200)} if touched else {}
+    base = b"".join(lines)
+    diffs = []
+    if touched:
+        first = [b"# earlier member\n"] * 4 + [earlier.get(i, line) for i, line in enumerate(lines)]
+        diffs.append(git_diff({path: base}, {path: b"".join(first)}))
+    before, after = [], []
+    for i, line in enumerate(lines):
+        if i % 1000 == 500:
+            continue
+        line = earlier.get(i, line)
+        pad = b"# pad\n" if i % 1000 == 900 else b""
+        before.append(line + pad)
+        after.append((b"edited %d\n" % i if i % 10 == 5 else line) + pad)
+    diffs.append(git_diff({path: b"".join(before)}, {path: b"".join(after)}))
+    return base, tuple(diffs)

@@ -3,8 +3,12 @@
 Uses the probe venv (vllm==0.30.0 with its dependencies, CPU torch) and two
 synthetic DeepSeek-V4.1 checkpoints (config.json only) at TP 4, --static: the
 default one (compress_ratios 0/1/2) and one whose compressed layers are all
-ratio 2. The seed's four arms are reproduced on the decode route; the
-routes above 64 tokens tell the two checkpoints apart.
+ratio 2 (``make probe``'s two, from tests/selftest_runs.py's ``checkpoints``,
+the directories tests/test_selftest_real.py runs on). The probe runs once per
+checkpoint, end to end through the CLI (its four arms are four self-test
+processes), and every test reads that one table. The seed's four arms are
+reproduced on the decode route; the routes above 64 tokens tell the two
+checkpoints apart.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import re
 import pytest
 
 from tests.helpers import run_cli
-from tools.checkpoints import write_v41_checkpoint
 from tools.synthetic import DEFAULT_RECIPE
+
+# checkpoints: written once per session, shared with test_selftest_real.py
+pytest_plugins = ["tests.selftest_runs"]
 
 PAGE_32 = "page_block_size 32 not in {64}"
 DECODE_1152 = "num_heads,topk (16, 1152) not in the set"
@@ -30,16 +36,13 @@ def _table(probe_python, checkpoint) -> dict[tuple[str, str], dict[str, str]]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [re.split(r"\s{2,}", row.strip(), maxsplit=6) for row in proc.stdout.strip().splitlines()]
     assert rows[0] == HEADER
-    return {(row[0], row[1]): dict(zip(HEADER[2:], row[2:] + [""] * (7 - len(row)))) for row in rows[1:]}
+    return {(row[0], row[1]): dict(zip(HEADER[2:], row[2:] + [""] * (7 - len(row)), strict=True)) for row in rows[1:]}
 
 
 @pytest.fixture(scope="module")
-def tables(probe_python, tmp_path_factory) -> dict[str, dict]:
-    root = tmp_path_factory.mktemp("ckpt")
-    return {
-        "v41": _table(probe_python, write_v41_checkpoint(root / "v41")),
-        "ratio2": _table(probe_python, write_v41_checkpoint(root / "ratio2", compress_ratios=(0, 2, 2))),
-    }
+def tables(probe_python, checkpoints) -> dict[str, dict]:
+    """One `vllm-overlay probe` per checkpoint; compress_ratios 0/1/2, then 0/2/2."""
+    return {"v41": _table(probe_python, checkpoints["v41"]), "ratio2": _table(probe_python, checkpoints["r2"])}
 
 
 def test_four_arms_on_the_decode_route(tables):

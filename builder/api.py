@@ -207,3 +207,30 @@ def stderr_progress(line: str) -> None:
     """The CLI's progress: each line to stderr at once (an empty report prints nothing)."""
     if line:
         print(line, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- launch
+
+
+def load_profile(profile: Any) -> Any:
+    """A launch profile (its path, or one already loaded), validated with the recipe it names
+    (builder.launch.Profile)."""
+    from builder.launch import Profile
+    from builder.launch import load_profile as load
+
+    return profile if isinstance(profile, Profile) else load(profile)
+
+
+def launch_argv(profile: Any, rank: str) -> list[str]:
+    """The rank's exact argv, starting ``vllm serve <checkpoint>``; an unknown rank is an
+    InputError naming the profile's ranks."""
+    from builder.launch import rank_argv
+
+    return rank_argv(load_profile(profile), rank)
+
+
+def profile_key(profile: Any) -> str:
+    """The profile key (``pk-`` + 64 hex; README, "The profile key")."""
+    from builder.launch import profile_key as key_of
+
+    return key_of(load_profile(profile))

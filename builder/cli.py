@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import traceback
 from pathlib import Path
@@ -88,6 +89,12 @@ def cmd_members(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch_argv(args: argparse.Namespace) -> int:
+    argv = api.launch_argv(args.profile, args.rank)
+    print(json.dumps(argv) if args.json else shlex.join(argv))
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, whose errors (usage and a message, from the top level or a command) become
     the one line every other error is."""
@@ -135,6 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
     command("plan", cmd_plan, "for CI: rebuild or up-to-date, from the keys, the produced rows and the registry")
     p = command("members", cmd_members, "write each member made from a source file (overlay/<name>.py) from it")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if any is out of date")
+
+    # launch ACTION PROFILE: one sub-action per step of a launch; up, status and down come later
+    # beside argv (and the gate, its own command).
+    launch = sub.add_parser(
+        "launch", help="launch profiles: each rank's vllm serve argv", description="launch profiles"
+    )
+    actions = launch.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = actions.add_parser(
+        "argv", help="print a rank's exact vllm serve argv", description="print a rank's exact vllm serve argv"
+    )
+    p.add_argument("profile", help="launch profile YAML (e.g. recipes/launch/v41-sm120.yaml)")
+    p.add_argument("--rank", required=True, metavar="NAME", help="the rank's name in the profile")
+    p.add_argument("--json", action="store_true", help="a JSON list instead of a shell-quoted line")
+    p.set_defaults(func=cmd_launch_argv)
     return parser
 
 

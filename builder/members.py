@@ -40,7 +40,9 @@ UPSTREAM_STATUS_RE = re.compile(
 DATE_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
 HEADER_FIELD_RE = re.compile(r"([A-Za-z][A-Za-z0-9-]*):[ \t]*(.*)")
 _TWO_PATHS_RE = re.compile(r"a/(\S+) b/(\S+)")
-HUNK_HEADER_RE = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@(?: .*)?")
+HUNK_HEADER_RE = re.compile(
+    r"@@ -(\d{1,9})(?:,(\d{1,9}))? \+(\d{1,9})(?:,(\d{1,9}))? @@(?: .*)?"
+)  # counts past 10^9 lines are no file
 # Extended header lines git writes between "diff --git" and the first hunk.
 GIT_HEADER_PREFIXES = (
     "index ",

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Real components for the integration tests and CI (issue 4):
 #   - dockerd from Debian's docker.io, on a private socket
+#   - a second dockerd on its own socket (docker2.sock), standing in for a
+#     second host in the launch gate's tests (issue 13)
 #   - Debian's docker-registry (distribution) on 127.0.0.1
 #   - a PEP 503 package index on 127.0.0.1 serving the default recipe's pinned
 #     vllm and flashinfer wheels (python3 -m http.server over a directory)
@@ -26,8 +28,8 @@
 #                             wheels in index/, the base rootfs tar in base/
 #   VO_STATE_DIR              sockets, pid files, logs, env file
 #                             (default /run/vllm-overlay)
-#   VO_DATA_DIR               docker data root, registry storage
-#                             (default /var/lib/vllm-overlay)
+#   VO_DATA_DIR               docker data roots (docker/, docker2/), registry
+#                             storage (default /var/lib/vllm-overlay)
 #   VO_REGISTRY_PORT          preferred registry port (default 5000)
 #   VO_INDEX_PORT             preferred package index port (default 5001)
 #   VO_STORAGE_DRIVER         force a docker storage driver (default: overlay2
@@ -46,6 +48,7 @@ VO_CACHE_DIR=${VLLM_OVERLAY_CACHE:-${HOME:-/root}/.cache/vllm-overlay}
 VO_REPO=$(CDPATH= cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 VO_ENV_FILE=${VO_ENV_FILE:-$VO_STATE_DIR/env}
 VO_DOCKER_SOCK=$VO_STATE_DIR/docker.sock
+VO_DOCKER2_SOCK=$VO_STATE_DIR/docker2.sock
 VO_BASE_IMAGE=${VO_BASE_IMAGE:-vllm-overlay-test/debian-python:bookworm}
 VO_START_TIMEOUT=${VO_START_TIMEOUT:-60}
 # docker.io's client, not whatever `docker` comes first on PATH.
@@ -167,7 +170,8 @@ vo_install_packages() {
 # --- 2. dockerd ----------------------------------------------------------------
 
 vo_docker() { DOCKER_HOST=unix://$VO_DOCKER_SOCK "$VO_DOCKER_CLI" "$@"; }
-vo_docker_ping() { curl -sf --max-time 2 --unix-socket "$VO_DOCKER_SOCK" http://docker/_ping | grep -qx OK; }
+vo_docker_ping() { vo_engine_ping "$VO_DOCKER_SOCK"; }
+vo_docker2_ping() { vo_engine_ping "$VO_DOCKER2_SOCK"; }
 
 # Which storage driver to use, and why, on stdout as "DRIVER reason".
 vo_storage_driver() {
@@ -189,39 +193,70 @@ vo_storage_driver() {
   rm -rf "$probe"
 }
 
+# vo_engine_ping SOCK: the engine on SOCK answers _ping.
+vo_engine_ping() { curl -sf --max-time 2 --unix-socket "$1" http://docker/_ping | grep -qx OK; }
+
+# vo_start_engine NAME MATCH SOCK DATA_ROOT EXEC_ROOT DRIVER REASON: start a
+# private dockerd (pid in $VO_STATE_DIR/NAME.pid, its command line holding
+# MATCH) on unix://SOCK, unless one answers there already.
+vo_start_engine() {
+  local name=$1 match=$2 sock=$3 data=$4 exec_root=$5 driver=$6 reason=$7
+  local log=$VO_STATE_DIR/$name.log
+  if vo_pid_alive "$name" "$match" && vo_engine_ping "$sock"; then
+    vo_log "$name: already running (pid $(<"$VO_STATE_DIR/$name.pid"), $sock)"
+    return 0
+  fi
+  vo_pid_alive "$name" "$match" && vo_die "$name (pid $(<"$VO_STATE_DIR/$name.pid")) runs but does not answer on $sock; run: bash .ci/services.sh stop"
+  command -v dockerd >/dev/null || vo_die "dockerd not found (Debian package docker.io)"
+  mkdir -p "$data" "$exec_root"
+  vo_log "$name: storage driver $driver $reason"
+  # Left behind by a dockerd that was killed: dockerd refuses to start while
+  # its pid file names a live (or unreaped) process.
+  rm -f "$sock" "$VO_STATE_DIR/$name.own.pid"
+  local t0
+  t0=$(vo_now)
+  # Own exec root and containerd (dockerd starts its own under exec-root), so
+  # nothing is shared with a system docker or the other engine. No iptables,
+  # no bridge: builds and containers use host networking (or none), so two
+  # engines on one host never clash over networks. Registries on 127.0.0.0/8
+  # (the local one) are insecure by default: plain http, no flag needed.
+  vo_spawn "$name" "$log" dockerd \
+    --host "unix://$sock" \
+    --data-root "$data" \
+    --exec-root "$exec_root" \
+    --pidfile "$VO_STATE_DIR/$name.own.pid" \
+    --storage-driver "$driver" \
+    --iptables=false --ip-masq=false --bridge=none
+  vo_wait "$name" dockerd "$log" vo_engine_ping "$sock"
+  local info got
+  info=$(curl -sf --unix-socket "$sock" http://docker/info) ||
+    vo_die "$name answers _ping but not /info (log: $log)"
+  got=$(vo_py json-field Driver <<<"$info") || exit 1
+  [[ $got == "$driver" ]] || vo_die "$name runs with storage driver $got, asked for $driver (log: $log)"
+  vo_log "$name: up in $(vo_since "$t0")s (pid $(<"$VO_STATE_DIR/$name.pid"), unix://$sock, $got, log: $log)"
+}
+
 vo_start_dockerd() {
-  local log=$VO_STATE_DIR/dockerd.log
   if vo_pid_alive dockerd dockerd && vo_docker_ping; then
     vo_log "dockerd: already running (pid $(<"$VO_STATE_DIR/dockerd.pid"), $VO_DOCKER_SOCK)"
     return 0
   fi
-  vo_pid_alive dockerd dockerd && vo_die "dockerd (pid $(<"$VO_STATE_DIR/dockerd.pid")) runs but does not answer on $VO_DOCKER_SOCK; run: bash .ci/services.sh stop"
-  command -v dockerd >/dev/null || vo_die "dockerd not found (Debian package docker.io)"
-  mkdir -p "$VO_DATA_DIR/docker" "$VO_STATE_DIR/docker-exec"
-  local driver reason t0
+  local driver reason
   read -r driver reason < <(vo_storage_driver)
-  vo_log "dockerd: storage driver $driver $reason"
-  # Left behind by a dockerd that was killed: dockerd refuses to start while
-  # its pid file names a live (or unreaped) process.
-  rm -f "$VO_DOCKER_SOCK" "$VO_STATE_DIR/dockerd.own.pid"
-  t0=$(vo_now)
-  # Own exec root and containerd (dockerd starts its own under exec-root), so
-  # nothing is shared with a system docker. No iptables, no bridge: builds
-  # and containers use host networking (or none).
-  vo_spawn dockerd "$log" dockerd \
-    --host "unix://$VO_DOCKER_SOCK" \
-    --data-root "$VO_DATA_DIR/docker" \
-    --exec-root "$VO_STATE_DIR/docker-exec" \
-    --pidfile "$VO_STATE_DIR/dockerd.own.pid" \
-    --storage-driver "$driver" \
-    --iptables=false --ip-masq=false --bridge=none
-  vo_wait dockerd dockerd "$log" vo_docker_ping
-  local info got
+  vo_start_engine dockerd dockerd "$VO_DOCKER_SOCK" "$VO_DATA_DIR/docker" "$VO_STATE_DIR/docker-exec" \
+    "$driver" "$reason"
+}
+
+# The second engine stands in for a second host (the launch gate's tests): its
+# own socket, data root, exec root and pid file, and the first engine's
+# storage driver (read from the running first engine, so both choose alike).
+vo_start_dockerd2() {
+  local info driver
   info=$(curl -sf --unix-socket "$VO_DOCKER_SOCK" http://docker/info) ||
-    vo_die "dockerd answers _ping but not /info (log: $log)"
-  got=$(vo_py json-field Driver <<<"$info") || exit 1
-  [[ $got == "$driver" ]] || vo_die "dockerd runs with storage driver $got, asked for $driver (log: $log)"
-  vo_log "dockerd: up in $(vo_since "$t0")s (pid $(<"$VO_STATE_DIR/dockerd.pid"), unix://$VO_DOCKER_SOCK, $got, log: $log)"
+    vo_die "dockerd2: the first engine does not answer /info on $VO_DOCKER_SOCK"
+  driver=$(vo_py json-field Driver <<<"$info") || exit 1
+  vo_start_engine dockerd2 "unix://$VO_DOCKER2_SOCK" "$VO_DOCKER2_SOCK" "$VO_DATA_DIR/docker2" \
+    "$VO_STATE_DIR/docker2-exec" "$driver" "(as the first engine)"
 }
 
 # --- 3. registry ---------------------------------------------------------------
@@ -337,6 +372,7 @@ vo_build_base_image() {
 # NAME=VALUE lines (no quoting needed: no value has spaces).
 vo_env_lines() {
   echo "DOCKER_HOST=unix://$VO_DOCKER_SOCK"
+  echo "VLLM_OVERLAY_TEST_DOCKER_HOST2=unix://$VO_DOCKER2_SOCK"
   echo "VLLM_OVERLAY_TEST_REGISTRY=$(vo_registry_addr)"
   echo "VLLM_OVERLAY_TEST_INDEX=http://$(vo_index_addr)/simple/"
   echo "VLLM_OVERLAY_TEST_BASE_IMAGE=$VO_BASE_IMAGE"
@@ -367,6 +403,7 @@ vo_services_start() {
     rm -f "$VO_ENV_FILE"
     vo_install_packages
     vo_start_dockerd
+    vo_start_dockerd2
     vo_start_registry
     vo_start_index
     vo_build_base_image
@@ -378,12 +415,18 @@ vo_services_start() {
 vo_services_stop() {
   vo_stop_one index http.server
   vo_stop_one registry docker-registry
+  vo_stop_one dockerd2 "unix://$VO_DOCKER2_SOCK"
   vo_stop_one dockerd dockerd
   # dockerd leaves these mounted on exit; unmount so the dirs can be removed.
   local m
   for m in "$VO_STATE_DIR/docker-exec/netns/default" "$VO_DATA_DIR/docker"; do
     if mountpoint -q "$m" 2>/dev/null && ! vo_pid_alive dockerd dockerd; then
       umount "$m" 2>/dev/null || vo_log "dockerd: could not unmount $m"
+    fi
+  done
+  for m in "$VO_STATE_DIR/docker2-exec/netns/default" "$VO_DATA_DIR/docker2"; do
+    if mountpoint -q "$m" 2>/dev/null && ! vo_pid_alive dockerd2 "unix://$VO_DOCKER2_SOCK"; then
+      umount "$m" 2>/dev/null || vo_log "dockerd2: could not unmount $m"
     fi
   done
   rm -f "$VO_ENV_FILE" "$VO_STATE_DIR"/{registry,index}.addr "$VO_STATE_DIR/index.root"
@@ -395,6 +438,11 @@ vo_services_status() {
     vo_log "dockerd: up (pid $(<"$VO_STATE_DIR/dockerd.pid"), unix://$VO_DOCKER_SOCK)"
   else
     vo_log "dockerd: down"; ok=1
+  fi
+  if vo_pid_alive dockerd2 "unix://$VO_DOCKER2_SOCK" && vo_docker2_ping; then
+    vo_log "dockerd2: up (pid $(<"$VO_STATE_DIR/dockerd2.pid"), unix://$VO_DOCKER2_SOCK)"
+  else
+    vo_log "dockerd2: down"; ok=1
   fi
   if vo_pid_alive registry docker-registry && vo_registry_ping; then
     vo_log "registry: up (pid $(<"$VO_STATE_DIR/registry.pid"), $(vo_registry_addr))"

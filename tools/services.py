@@ -1,7 +1,8 @@
 """Where the real components of the integration tests are, and the parts of
 `.ci/services.sh` that are Python rather than daemon plumbing.
 
-`.ci/services.sh start` starts dockerd, the registry and the package index,
+`.ci/services.sh start` starts dockerd (two: the second stands in for a second host),
+the registry and the package index,
 imports the base image, and writes their coordinates to an env file
 (`/run/vllm-overlay/env`, or `$VO_ENV_FILE`) as NAME=VALUE lines.
 The file wins; the environment fills in what the file lacks (or stands in
@@ -40,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPE = ROOT / "recipes" / "v41-sm120.yaml"
 SERVICE_VARS = (
     "DOCKER_HOST",  # unix:///run/vllm-overlay/docker.sock
+    "VLLM_OVERLAY_TEST_DOCKER_HOST2",  # unix:///run/vllm-overlay/docker2.sock: the second engine (a second host)
     "VLLM_OVERLAY_TEST_REGISTRY",  # 127.0.0.1:5000
     "VLLM_OVERLAY_TEST_INDEX",  # http://127.0.0.1:5001/simple/
     "VLLM_OVERLAY_TEST_BASE_IMAGE",  # vllm-overlay-test/debian-python:bookworm

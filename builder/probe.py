@@ -10,6 +10,7 @@ files.  The installed files must be the pinned tree's (before hashes).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from builder.apply import OverlaySet, apply_members, sha256
+from builder.cache import cache_root
 from builder.errors import InputError
 from builder.members import Member
 from builder.probe_env import shadow_tree
@@ -101,8 +103,9 @@ def check_installed_matches(vllm_dir: Path, overlay: OverlaySet) -> None:
             )
 
 
-def run_selftest(python: Path, tree: Path, args: list[str], timeout: int = RUN_TIMEOUT) -> SelftestRun:
-    """Run the self-test module with ``tree`` (a shadow package dir) first on the path."""
+def selftest_env(tree: Path) -> dict[str, str]:
+    """The environment the self-test runs in, with ``tree`` (a shadow package dir) first on
+    the path."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_TARGET_DEVICE", "VLLM_LOGGING_STREAM")}
     env.update(
         PYTHONPATH=str(tree),
@@ -110,7 +113,29 @@ def run_selftest(python: Path, tree: Path, args: list[str], timeout: int = RUN_T
         VLLM_LOGGING_STREAM="ext://sys.stderr",  # keep stdout for the table and the verdict
         HF_HUB_OFFLINE="1",
         PYTHONDONTWRITEBYTECODE="1",
+        # vLLM's model-info cache is one file per model class: a patched and an unpatched
+        # tree sharing it throw each other's away, and each miss re-imports vLLM in a
+        # subprocess (~11 s of CPU).  One cache per tree's contents (vllm/envs.py:34).
+        VLLM_CACHE_ROOT=str(cache_root() / "vllm-cache" / _tree_identity(tree)),
+        # humming (a vLLM dependency) starts two background CUDA builds at import, which fail
+        # without a GPU and cost seconds of CPU (humming/ops/utils.py:138, kernel/humming.py:531).
+        HUMMING_DISABLE_PARALLEL_BUILD="1",
     )
+    return env
+
+
+def _tree_identity(tree: Path) -> str:
+    """The shadow tree's overlay files (the only ones that differ from the installed vLLM):
+    their paths and sha256, hashed."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in tree.rglob("*") if p.is_file() and not p.is_symlink()):
+        h.update(str(path.relative_to(tree)).encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+def run_selftest(python: Path, tree: Path, args: list[str], timeout: int = RUN_TIMEOUT) -> SelftestRun:
+    """Run the self-test module with ``tree`` (a shadow package dir) first on the path."""
+    env = selftest_env(tree)
     try:
         proc = subprocess.run(
             [str(python), "-m", SELFTEST_MODULE, *args],

@@ -23,14 +23,13 @@ imports it first).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from builder.probe import SELFTEST_MODULE, TEXT_ONLY, SelftestRun, installed_vllm_dir
+from builder.probe import SELFTEST_MODULE, TEXT_ONLY, SelftestRun, installed_vllm_dir, selftest_env
 from builder.probe_env import shadow_tree
 from tools.checkpoints import write_v41_checkpoint
 
@@ -81,15 +80,7 @@ for name, args in runs.items():
 def run_in_one_interpreter(python: Path, tree: Path, runs: dict[str, list[str]]) -> dict[str, SelftestRun]:
     """Each of ``runs`` (name: the module's argv) in one ``python`` with ``tree`` first on the path,
     in the environment builder.probe.run_selftest gives each probe arm."""
-    drop = ("PYTHONPATH", "VLLM_TARGET_DEVICE", "VLLM_LOGGING_STREAM")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(
-        PYTHONPATH=str(tree),
-        VLLM_TARGET_DEVICE=os.environ.get("VLLM_TARGET_DEVICE", "cpu"),
-        VLLM_LOGGING_STREAM="ext://sys.stderr",
-        HF_HUB_OFFLINE="1",
-        PYTHONDONTWRITEBYTECODE="1",
-    )
+    env = selftest_env(tree)
     proc = subprocess.run(
         [str(python), "-c", _DRIVER, SELFTEST_MODULE],
         input=json.dumps(runs),

@@ -121,7 +121,7 @@ def stages(recipe_path: Path, out: Path) -> dict[str, float]:
     from builder.apply import apply_members
     from builder.key import runtime_key
     from builder.members import load_recipe_members
-    from builder.output import manifest, write_overlay
+    from builder.output import Destination, manifest, write_overlay
 
     times = {}
     start = time.perf_counter()
@@ -139,7 +139,7 @@ def stages(recipe_path: Path, out: Path) -> dict[str, float]:
     data = manifest(recipe, overlay, key)
     times["hash + manifest"] = time.perf_counter() - mark
     mark = time.perf_counter()
-    write_overlay(out, overlay, data)
+    write_overlay(Destination(out, "apply --out", key), overlay, data)
     times["write"] = time.perf_counter() - mark
     return times
 

@@ -49,10 +49,17 @@ def _loaded(recipe: RecipeLike) -> tuple[Recipe, tuple[Member, ...], Tree]:
     return recipe, members, pinned_tree(recipe.vllm)
 
 
+def _keyed(recipe: RecipeLike) -> tuple[Recipe, tuple[Member, ...], str]:
+    """The recipe, its members (each parsed once, all before any tree is opened or fetched)
+    and its runtime key."""
+    recipe = recipe_of(recipe)
+    members = load_recipe_members(recipe)
+    return recipe, members, runtime_key(recipe, members)
+
+
 def key(recipe: RecipeLike) -> str:
     """The runtime key: from the recipe and its members alone (the tree is never opened)."""
-    recipe = recipe_of(recipe)
-    return runtime_key(recipe, load_recipe_members(recipe))
+    return _keyed(recipe)[2]
 
 
 def check(recipe: RecipeLike) -> CheckReport:
@@ -91,14 +98,13 @@ def apply(
     an earlier one whole, or is left as it was on failure."""
     from builder.output import write_full_tree, write_overlay
 
-    recipe = recipe_of(recipe)
-    key = runtime_key(recipe, load_recipe_members(recipe))
+    recipe, members, key = _keyed(recipe)
     destinations = {  # refused before any work: a wrong --out costs nothing
         option: _destination(recipe, raw, option, f"apply {option}", key)
         for option, raw in (("--out", out), ("--full-tree", full_tree))
         if raw is not None
     }
-    recipe, members, tree = _loaded(recipe)
+    tree = pinned_tree(recipe.vllm)
     applied = Applied(recipe, tree, apply_members(tree, members), key)
     progress("\n".join(applied.report()))
     if destinations:
@@ -142,11 +148,10 @@ def render(recipe: RecipeLike, *, out: str | Path | None = None) -> Context:
     from builder.output import write_files
     from builder.render import context_files, render_image
 
-    recipe = recipe_of(recipe)
-    destination = None
-    if out is not None:
-        destination = _destination(recipe, out, "--out", "dockerfile --out", key(recipe))
-    applied = apply(recipe)
+    recipe, members, runtime = _keyed(recipe)
+    destination = None if out is None else _destination(recipe, out, "--out", "dockerfile --out", runtime)
+    tree = pinned_tree(recipe.vllm)
+    applied = Applied(recipe, tree, apply_members(tree, members), runtime)
     rendered = render_image(applied.recipe, applied.key)
     context = Context(applied.recipe, rendered, context_files(rendered, applied.overlay, applied.manifest()))
     if destination is not None:
@@ -234,3 +239,67 @@ def profile_key(profile: Any) -> str:
     from builder.launch import profile_key as key_of
 
     return key_of(load_profile(profile))
+
+
+def gate(
+    profile: Any,
+    *,
+    static: bool = False,
+    timeout: float | None = None,
+    engines: Any = None,
+    receipts: str | Path | None = None,
+    progress: Progress = _quiet,
+) -> Any:
+    """The self-test in the produced image on every rank's engine, with that rank's exact argv
+    (builder.gate.GateResult: ``result.passed``, ``result.ranks``, ``result.receipt``,
+    ``result.table()``).  A stale image is an InputError before any container starts; the
+    receipt is written whatever happens once an engine was asked.  ``engines`` maps an engine
+    URL to its seam (tests); ``receipts`` overrides $VLLM_OVERLAY_RECEIPTS."""
+    from builder.gate import DEFAULT_TIMEOUT, run_gate
+
+    return run_gate(
+        load_profile(profile),
+        static=static,
+        timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
+        engines=engines,
+        receipts=None if receipts is None else Path(receipts),
+        progress=progress,
+    )
+
+
+def launch_up(
+    profile: Any,
+    *,
+    static: bool = False,
+    timeout: float | None = None,
+    engines: Any = None,
+    receipts: str | Path | None = None,
+    progress: Progress = _quiet,
+) -> Any:
+    """The gate, then, only when every rank passed in it, each rank's serving container with the
+    gated argv (``result.containers``; none after a failed gate)."""
+    from builder.gate import DEFAULT_TIMEOUT
+    from builder.gate import launch_up as up
+
+    return up(
+        load_profile(profile),
+        static=static,
+        timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
+        engines=engines,
+        receipts=None if receipts is None else Path(receipts),
+        progress=progress,
+    )
+
+
+def launch_status(profile: Any, *, engines: Any = None) -> list[Any]:
+    """The serving containers labelled with the profile's key, per engine (builder.gate.EngineContainers)."""
+    from builder.gate import launch_status as status
+
+    return status(load_profile(profile), engines=engines)
+
+
+def launch_down(profile: Any, *, engines: Any = None) -> list[Any]:
+    """Stop and remove exactly the serving containers labelled with the profile's key."""
+    from builder.gate import launch_down as down
+
+    return down(load_profile(profile), engines=engines)

@@ -86,7 +86,7 @@ class WheelTree:
             raise InputError(f"{self.label}: entry {path} is corrupt: {exc}", file=self.label) from None
 
     def recorded_sha256(self, path: str) -> str | None:
-        return self._recorded.get(path)
+        return _record_hex(self._recorded.get(path))
 
     def check_writable(self, path: str) -> str | None:
         if not self._symlinks:  # wheels seldom hold any: then no path can escape
@@ -109,23 +109,27 @@ class WheelTree:
 
 
 def _record_digests(zf: zipfile.ZipFile) -> dict[str, str]:
-    """path -> sha256 from the wheel's ``*.dist-info/RECORD``.  The wheel is verified against
-    its pinned sha256, so these are the pinned bytes' own hashes: a manifest's before hashes
-    come from here instead of hashing every touched file (pip checks them when it installs)."""
+    """path -> the base64 sha256 field of the wheel's ``*.dist-info/RECORD`` (decoded by
+    _record_hex when asked for: a run asks for a few of 5,000).  The wheel is verified
+    against its pinned sha256, so these are the pinned bytes' own hashes: a manifest's before
+    hashes come from here instead of hashing every touched file (pip checks them at install)."""
     names = [n for n in zf.namelist() if n.count("/") == 1 and n.endswith(".dist-info/RECORD")]
     if len(names) != 1:
         return {}
-    digests = {}
-    for row in csv.reader(zf.read(names[0]).decode("utf-8").splitlines()):
-        if len(row) >= 2 and row[1].startswith("sha256="):
-            encoded = row[1][len("sha256=") :]
-            try:
-                digest = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
-            except ValueError:
-                continue
-            if len(digest) == 32:
-                digests[row[0]] = digest.hex()
-    return digests
+    text = zf.read(names[0]).decode("utf-8")
+    # csv for a RECORD that quotes (a path with a comma); splitting is five times faster
+    rows = csv.reader(text.splitlines()) if '"' in text else (line.split(",") for line in text.splitlines())
+    return {row[0]: row[1][len("sha256=") :] for row in rows if len(row) >= 2 and row[1].startswith("sha256=")}
+
+
+def _record_hex(encoded: str | None) -> str | None:
+    if encoded is None:
+        return None
+    try:
+        digest = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+    except ValueError:
+        return None
+    return digest.hex() if len(digest) == 32 else None
 
 
 class DirTree:

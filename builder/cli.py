@@ -95,6 +95,46 @@ def cmd_launch_argv(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gate(args: argparse.Namespace) -> int:
+    result = api.gate(args.profile, static=args.static, timeout=args.timeout, progress=api.stderr_progress)
+    print(result.table())
+    print(f"receipt {result.receipt}")
+    return 0 if result.passed else 1
+
+
+def cmd_launch_up(args: argparse.Namespace) -> int:
+    result = api.launch_up(args.profile, static=args.static, timeout=args.timeout, progress=api.stderr_progress)
+    print(result.table())
+    print(f"receipt {result.receipt}")
+    if not result.passed:
+        api.stderr_progress("vllm-overlay: launch: nothing started: the gate failed")
+        return 1
+    for c in result.containers:
+        print(f"started {c['rank']} on {c['engine']}: {c['name']} {c['id'][:12]}")
+    return 0
+
+
+def _print_containers(found: list, verb: str) -> int:
+    failed = False
+    for engine in found:
+        for c in engine.containers:
+            print(f"{verb}{c['rank']}  {engine.engine}  {c['name']}  {c['id'][:12]}  {c.get('status', '')}".rstrip())
+        if engine.failure is not None:
+            api.stderr_progress(f"vllm-overlay: {engine.failure}")
+            failed = True
+    if not any(engine.containers for engine in found):
+        api.stderr_progress("no containers of this profile" + (" removed" if verb else ""))
+    return 3 if failed else 0
+
+
+def cmd_launch_status(args: argparse.Namespace) -> int:
+    return _print_containers(api.launch_status(args.profile), "")
+
+
+def cmd_launch_down(args: argparse.Namespace) -> int:
+    return _print_containers(api.launch_down(args.profile), "removed ")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, whose errors (usage and a message, from the top level or a command) become
     the one line every other error is."""
@@ -143,10 +183,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("members", cmd_members, "write each member made from a source file (overlay/<name>.py) from it")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if any is out of date")
 
-    # launch ACTION PROFILE: one sub-action per step of a launch; up, status and down come later
-    # beside argv (and the gate, its own command).
+    def gated(p: argparse.ArgumentParser) -> None:
+        p.add_argument("profile", help="launch profile YAML (e.g. recipes/launch/v41-sm120.yaml)")
+        p.add_argument(
+            "--static", action="store_true", help="judge on the static checks alone (recorded; never implied)"
+        )
+        p.add_argument("--timeout", type=float, metavar="S", help="seconds each rank's self-test may run (default 900)")
+
+    p = sub.add_parser(
+        "gate",
+        help="run the self-test in the produced image on every rank's engine, with its exact argv; write a receipt",
+        description="run the self-test in the produced image on every rank's engine; write a receipt",
+    )
+    gated(p)
+    p.set_defaults(func=cmd_gate)
+
+    # launch ACTION PROFILE: one sub-action per step of a launch.
     launch = sub.add_parser(
-        "launch", help="launch profiles: each rank's vllm serve argv", description="launch profiles"
+        "launch", help="launch profiles: argv, and up/status/down behind the gate", description="launch profiles"
     )
     actions = launch.add_subparsers(dest="action", required=True, metavar="ACTION")
     p = actions.add_parser(
@@ -156,6 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", required=True, metavar="NAME", help="the rank's name in the profile")
     p.add_argument("--json", action="store_true", help="a JSON list instead of a shell-quoted line")
     p.set_defaults(func=cmd_launch_argv)
+    p = actions.add_parser(
+        "up", help="run the gate; only if every rank passed, start each rank's container with the gated argv"
+    )
+    gated(p)
+    p.set_defaults(func=cmd_launch_up)
+    for name, func, text in (
+        ("status", cmd_launch_status, "list the profile's containers (by its profile key label) on each engine"),
+        ("down", cmd_launch_down, "stop and remove the profile's containers (by its profile key label)"),
+    ):
+        p = actions.add_parser(name, help=text, description=text)
+        p.add_argument("profile", help="launch profile YAML")
+        p.set_defaults(func=func)
     return parser
 
 

@@ -370,6 +370,7 @@ def run_gate(
     if timeout <= 0:
         raise InputError(f"the timeout must be positive, got {timeout}", field="--timeout")
     image = current_image(profile)  # refused here: nothing asked of any engine yet
+    progress = _serialized(progress)  # rank threads report at once: one whole line each
     seams = _Engines(engines or connect_engine)
     jobs = _jobs(profile, static, timeout)
     result = GateResult(
@@ -413,6 +414,16 @@ def run_gate(
                     rank.end = rank.end or result.end
             write_receipt(result)
     return result
+
+
+def _serialized(progress: Progress) -> Progress:
+    lock = threading.Lock()
+
+    def report(line: str) -> None:
+        with lock:
+            progress(line)
+
+    return report
 
 
 def _find_images(
@@ -544,10 +555,12 @@ def launch_status(profile: Profile, *, engines: EngineFactory | None = None) -> 
     """The serving containers labelled with the profile's key, on each of its engines."""
     seams = _Engines(engines or connect_engine)
     key = profile_key(profile)
+    order = {rank.name: i for i, rank in enumerate(profile.ranks)}
     out = []
     for url in _distinct(rank.engine for rank in profile.ranks):
         try:
-            out.append(EngineContainers(url, seams(url).containers(_key_filter(key))))
+            found = seams(url).containers(_key_filter(key))
+            out.append(EngineContainers(url, sorted(found, key=lambda c: order.get(c.get("rank", ""), len(order)))))
         except RankFailed as exc:
             out.append(EngineContainers(url, [], str(exc)))
     return out
@@ -607,7 +620,7 @@ class DockerEngine:
     def __init__(self, url: str, connect: Callable[[str], Any] = engine_client) -> None:
         self.url, self.connect = url, connect
         self._client: Any = None
-        self._lock = threading.Lock()
+        self._lock, self._pulling = threading.Lock(), threading.Lock()
         self.running: set[str] = set()  # self-test containers not yet removed (killed on interrupt)
 
     @property
@@ -637,9 +650,14 @@ class DockerEngine:
     def find_image(self, image: ImageRef, progress: Progress) -> FoundImage:
         """The row's image in this engine (its local id, or pulled by digest before), else
         pulled by digest from its registry."""
-        from docker.errors import NotFound
 
         client = self.client
+        with self._pulling:  # ranks sharing this engine look (and pull) once
+            return self._find_image(client, image, progress)
+
+    def _find_image(self, client, image: ImageRef, progress: Progress) -> FoundImage:
+        from docker.errors import NotFound
+
         for ref in (image.digest, image.by_digest):
             try:
                 got = client.images.get(ref)

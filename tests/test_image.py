@@ -450,7 +450,11 @@ def test_unreachable_engine_is_one_line_exit_3(services, tmp_path, engine) -> No
     *before, last = proc.stderr.splitlines()
     assert last.startswith("vllm-overlay: Docker engine at " + engine), proc.stderr
     # the system ssh client says why in a line of its own, to the stderr docker-py gives it
-    assert all(line.startswith("ssh: ") for line in before) and len(before) <= (1 if "ssh" in engine else 0) and "cannot be reached" in proc.stderr
+    assert (
+        all(line.startswith("ssh: ") for line in before)
+        and len(before) <= (1 if "ssh" in engine else 0)
+        and "cannot be reached" in proc.stderr
+    )
     assert proc.stdout == "" and not produced.exists()
 
 

@@ -17,10 +17,13 @@ output directories are swapped in whole the same way (builder.output).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from builder.errors import InputError
@@ -119,5 +122,17 @@ def read_regular(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
             if size > limit:
                 raise InputError(f"{what} is larger than {limit // KIB} KiB (the limit for one)", file=path)
         return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def locked(directory: Path) -> Iterator[None]:
+    """An exclusive lock on ``directory`` itself (flock on its descriptor: no lock file to
+    leave behind), for work that two runs must not interleave there."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
         os.close(fd)

@@ -12,7 +12,6 @@ destination that holds, or lies inside, the recipe, the overlay or the cache.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ from typing import Any
 
 from builder import __version__
 from builder.apply import FileChange, OverlaySet
+from builder.cache import locked
 from builder.errors import InputError, StorageFailed
 from builder.members import Member
 from builder.recipe import Recipe, WheelPin
@@ -186,18 +186,6 @@ def _refuse_protected(dest: Destination) -> None:
 
 
 @contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    """An exclusive lock on ``directory`` itself (no lock file to leave behind): two runs
-    writing one output swap it in one after the other."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
 def replacing(dest: Destination) -> Iterator[Path]:
     """Yield a fresh directory beside ``dest.path`` holding the marker; when the body
     succeeds, swap it in for ``dest.path`` (whose earlier output goes).  On any failure the
@@ -215,7 +203,7 @@ def replacing(dest: Destination) -> Iterator[Path]:
         (tmp / MARKER).write_bytes(dest.marker())
         yield tmp
         tmp.chmod(0o755)
-        with _locked(out.parent):
+        with locked(out.parent):
             _refuse_unless_replaceable(dest)  # again: another run may have written it meanwhile
             old = None
             if out.exists():

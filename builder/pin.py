@@ -9,7 +9,6 @@ without reading 336 MB again; any change of size or mtime makes it hash again.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -17,11 +16,11 @@ import shutil
 import sys
 import time
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from builder.cache import MIB, HashMemo, cache_root
+from builder.cache import MIB, HashMemo, cache_root, locked
 from builder.errors import InputError, ServiceUnreachable, StorageFailed
 from builder.recipe import WheelPin
 
@@ -148,7 +147,7 @@ def _download(url: str, dest: Path, pin: WheelPin, label: str, progress: TextIO 
     except OSError as exc:
         raise StorageFailed(f"cannot make {dest.parent}: {exc.strerror or exc}") from None
     tmp = _part(dest)
-    with _locked(dest.parent):
+    with locked(dest.parent):
         try:
             h = hashlib.sha256()
             got = total = 0
@@ -194,7 +193,7 @@ def _remove_stale_part(dest: Path, progress: TextIO) -> None:
     tmp = _part(dest)
     if not (tmp.exists() or tmp.is_symlink()) or not dest.parent.is_dir():
         return
-    with _locked(dest.parent):
+    with locked(dest.parent):
         if tmp.exists() or tmp.is_symlink():
             print(f"cache: removing {tmp.name}, left by a download that did not finish", file=progress, flush=True)
             _remove(tmp)
@@ -209,16 +208,6 @@ def _remove(path: Path) -> None:
             path.unlink()
     except OSError as exc:
         raise StorageFailed(f"cannot remove the damaged cache entry {path}: {exc.strerror or exc}") from None
-
-
-@contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _progress_reporter(label: str, total: int, stream: TextIO | None) -> Callable[..., None]:

@@ -296,6 +296,10 @@ def main() -> None:
     from bench.image import main as image_bench
 
     image_bench()
+    print()
+    from bench.gate import main as gate_bench
+
+    gate_bench()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-# vllm-overlay: make setup | image | check | key | members | overlay | dockerfile | probe | test | test-fast | bench
+# vllm-overlay: make setup | image | check | key | members | overlay | dockerfile | probe | gate-local | test | test-fast | bench
 PYTHON ?= python3
 RECIPE ?= recipes/v41-sm120.yaml
 VO = $(PYTHON) -m builder
@@ -16,7 +16,7 @@ ifneq ($(DOCKER_HOST),)
 export DOCKER_HOST
 endif
 
-.PHONY: setup image check key members overlay dockerfile probe probe-venv test test-fast bench
+.PHONY: setup image check key members overlay dockerfile probe probe-venv gate-local test test-fast bench
 
 setup:            ## fresh machine: Python deps, Debian packages, local services (needs root)
 	bash .ci/setup
@@ -46,6 +46,12 @@ probe:            ## the self-test's four-arm route table on two checkpoints (st
 	$(PYTHON) -c 'from tools.checkpoints import write_v41_checkpoint as w; w("$(OUT)/checkpoint-v41"); w("$(OUT)/checkpoint-v41-ratio2", compress_ratios=(0, 2, 2))'
 	$(VO) probe $(RECIPE) --static -- $(SERVE_ARGV)
 	$(VO) probe $(RECIPE) --static -- $(SERVE_ARGV_RATIO2)
+
+gate-local:       ## the launch gate (--static) on the two local test engines: recipe, checkpoint, profile, receipt in $(OUT)/gate-local
+	$(PYTHON) -m tools.local_gate $(OUT)/gate-local
+	VLLM_OVERLAY_PRODUCED=$(OUT)/gate-local/produced.yaml $(VO) image $(OUT)/gate-local/recipe.yaml --push
+	VLLM_OVERLAY_PRODUCED=$(OUT)/gate-local/produced.yaml VLLM_OVERLAY_RECEIPTS=$(OUT)/gate-local/receipts \
+	  $(VO) gate $(OUT)/gate-local/profile.yaml --static
 
 test:             ## the whole suite, real components included (what CI runs)
 	$(PYTHON) -m pytest

@@ -464,3 +464,17 @@ def test_bad_profile(case, tmp_path, monkeypatch, capsys):
     assert (code, out) == (2, ""), err
     assert err == f"vllm-overlay: {(work / 'expected').read_text().strip()}\n"
     assert snapshot(tmp_path) == before
+
+
+def test_the_local_gate_profile_loads_and_names_both_local_engines(services, tmp_path):
+    """`make gate-local`'s profile (tools/local_gate.py) is a valid profile on the two test
+    engines, and its ranks' argv pass the text-only request to the checkpoint it wrote."""
+    from tools.local_gate import write_local_gate
+
+    path = write_local_gate(tmp_path / "gate-local")
+    engines = [rank.engine for rank in api.load_profile(path).ranks]
+    assert engines == [services["DOCKER_HOST"], services["VLLM_OVERLAY_TEST_DOCKER_HOST2"]]
+    argv = api.launch_argv(path, "b")
+    assert argv[:3] == ["vllm", "serve", str((tmp_path / "gate-local" / "v41-ratio2").resolve())]
+    assert "--language-model-only" in argv and argv[-1] == "--headless"
+    assert (tmp_path / "gate-local" / "v41-ratio2" / "config.json").is_file()

@@ -374,3 +374,25 @@ def test_launch_down_removes_exactly_the_profiles_containers(served, gate_image)
         assert there - ids(client) == mine  # exactly those, and nothing else, are gone
     status = run_cli("launch", "status", served.up.profile)
     assert (status.returncode, status.stdout, status.stderr.strip()) == (0, "", "no containers of this profile")
+
+
+def test_a_rank_asking_for_gpus_on_an_engine_without_the_nvidia_runtime_fails_in_one_line(
+    gate_image, gate_checkpoints, work
+) -> None:
+    """The test engines have no NVIDIA runtime: a rank listing GPU ids fails with one line
+    saying so, and leaves no container behind on its engine."""
+    profile = write_profile(work / "gpus.yaml", gate_image.recipe, gate_checkpoints["ratio2"], gate_image.hosts)
+    data = yaml.safe_load(profile.read_text())
+    data["ranks"][1]["gpus"] = [0, 1]  # rank b asks for two GPUs: 4 = 2 ranks x 2
+    data["ranks"][0]["gpus"] = [0, 1]
+    profile.write_text(yaml.safe_dump(data, sort_keys=False))
+    before = [ids(client) for client in gate_image.clients]
+    run = vo("gate", "--static", profile, produced=gate_image.produced, receipts=work / "receipts")
+    assert run.returncode == 1, run
+    receipt = run.receipt
+    for rank in receipt["ranks"]:
+        assert "NVIDIA runtime" in (rank["failure"] or ""), rank
+        assert "\n" not in rank["failure"]
+        assert rank["passed"] is False
+    assert [ids(client) for client in gate_image.clients] == before  # nothing left on either engine
+    assert "NVIDIA runtime" in run.table_row("a")[3] and "NVIDIA runtime" in run.table_row("b")[3]

@@ -97,6 +97,26 @@ def random_file(rng: random.Random) -> list[bytes]:
     return lines
 
 
+def engine_agrees_with_model(state: FileState, lines: list[bytes], owners: list, hunks: list[Hunk], member: str):
+    """Apply ``hunks`` to ``state`` with the engine and to ``lines`` with the line model, and
+    assert they agree: both refuse (None), or the same bytes, offsets, overlaps and line
+    owners ((new state, lines, owners, offsets, overlaps))."""
+    expected = model_apply(lines, owners, hunks, member)
+    result = MemberResult(member=None)  # type: ignore[arg-type]
+    try:
+        got = _apply_file(FilePatch("f", "f", None, tuple(hunks)), state, member, result)
+    except HunkFailure:
+        assert expected is None, (lines, hunks)
+        return None
+    assert expected is not None, (lines, hunks)
+    lines, owners, offsets, overlaps = expected
+    assert got.data == b"".join(lines), (hunks,)
+    assert [(o.hunk.number, o.offset) for o in result.offsets] == offsets
+    assert [(o.hunk.number, o.earlier) for o in result.overlaps] == overlaps
+    assert owners_of(got, len(lines)) == owners
+    return got, lines, owners, offsets, overlaps
+
+
 def random_hunk(rng: random.Random, lines: list[bytes], number: int) -> Hunk:
     """Old lines mostly taken from the file (so they match, perhaps in several places).
 
@@ -137,24 +157,14 @@ def test_byte_level_apply_agrees_with_the_line_model(seed):
         state = FileState(b"".join(lines))
         for member in ("m1", "m2", "m3"):
             hunks = [random_hunk(rng, lines, n) for n in range(1, rng.randrange(2, 5))]
-            expected = model_apply(lines, owners, hunks, member)
-            result = MemberResult(member=None)  # type: ignore[arg-type]
-            try:
-                got = _apply_file(FilePatch("f", "f", None, tuple(hunks)), state, member, result)
-            except HunkFailure:
-                assert expected is None, (lines, hunks)
+            agreed = engine_agrees_with_model(state, lines, owners, hunks, member)
+            if agreed is None:
                 failed += 1
                 continue
-            assert expected is not None, (lines, hunks)
-            lines, owners, offsets, overlaps = expected
-            assert got.data == b"".join(lines), (hunks,)
-            assert [(o.hunk.number, o.offset) for o in result.offsets] == offsets
-            assert [(o.hunk.number, o.earlier) for o in result.overlaps] == overlaps
-            assert owners_of(got, len(lines)) == owners
+            state, lines, owners, offsets, overlaps = agreed
             placed += 1
             offset += bool(offsets)
             overlapped += bool(overlaps)
-            state = got
     # the random cases reach every branch that matters, not just the easy one
     assert min(placed, failed, offset, overlapped) > 100, (placed, failed, offset, overlapped)
 
@@ -243,24 +253,14 @@ def test_many_hunks_in_order_on_longer_files_agree_with_the_line_model(seed, mon
             for number in range(1, rng.randrange(2, rng.choice([4, 8, 20]))):
                 hunk, at = hunk_in_order(rng, lines, number, at)
                 hunks.append(hunk)
-            expected = model_apply(lines, owners, hunks, member)
-            result = MemberResult(member=None)  # type: ignore[arg-type]
-            try:
-                got = _apply_file(FilePatch("f", "f", None, tuple(hunks)), state, member, result)
-            except HunkFailure:
-                assert expected is None, (lines, hunks)
+            agreed = engine_agrees_with_model(state, lines, owners, hunks, member)
+            if agreed is None:
                 failed += 1
                 continue
-            assert expected is not None, (lines, hunks)
-            lines, owners, offsets, overlaps = expected
-            assert got.data == b"".join(lines), (hunks,)
-            assert [(o.hunk.number, o.offset) for o in result.offsets] == offsets
-            assert [(o.hunk.number, o.earlier) for o in result.overlaps] == overlaps
-            assert owners_of(got, len(lines)) == owners
+            state, lines, owners, offsets, overlaps = agreed
             placed += 1
             offset += bool(offsets)
             overlapped += bool(overlaps)
-            state = got
     assert min(placed, failed, offset, overlapped) > 100, (placed, failed, offset, overlapped)
 
 

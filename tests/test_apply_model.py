@@ -117,6 +117,26 @@ def engine_agrees_with_model(state: FileState, lines: list[bytes], owners: list,
     return got, lines, owners, offsets, overlaps
 
 
+OUTCOMES = ("placed", "failed", "offset", "overlapped")
+
+
+def three_members_agree(lines: list[bytes], make_hunks, counts: collections.Counter) -> None:
+    """Three members in turn on ``lines``, each with the hunks ``make_hunks`` draws for the
+    file as the members before left it; the engine must agree with the line model on each.
+    ``counts`` adds how they ended (OUTCOMES), so a test can show every branch was reached."""
+    owners: list[str | None] = [None] * len(lines)
+    state = FileState(b"".join(lines))
+    for member in ("m1", "m2", "m3"):
+        agreed = engine_agrees_with_model(state, lines, owners, make_hunks(lines), member)
+        if agreed is None:
+            counts["failed"] += 1
+            continue
+        state, lines, owners, offsets, overlaps = agreed
+        counts["placed"] += 1
+        counts["offset"] += bool(offsets)
+        counts["overlapped"] += bool(overlaps)
+
+
 def random_hunk(rng: random.Random, lines: list[bytes], number: int) -> Hunk:
     """Old lines mostly taken from the file (so they match, perhaps in several places).
 
@@ -150,23 +170,13 @@ def random_hunk(rng: random.Random, lines: list[bytes], number: int) -> Hunk:
 @pytest.mark.parametrize("seed", range(4))
 def test_byte_level_apply_agrees_with_the_line_model(seed):
     rng = random.Random(seed)
-    placed = failed = offset = overlapped = 0
+    counts: collections.Counter = collections.Counter()
     for _ in range(3000):
-        lines = random_file(rng)
-        owners: list[str | None] = [None] * len(lines)
-        state = FileState(b"".join(lines))
-        for member in ("m1", "m2", "m3"):
-            hunks = [random_hunk(rng, lines, n) for n in range(1, rng.randrange(2, 5))]
-            agreed = engine_agrees_with_model(state, lines, owners, hunks, member)
-            if agreed is None:
-                failed += 1
-                continue
-            state, lines, owners, offsets, overlaps = agreed
-            placed += 1
-            offset += bool(offsets)
-            overlapped += bool(overlaps)
+        three_members_agree(
+            random_file(rng), lambda lines: [random_hunk(rng, lines, n) for n in range(1, rng.randrange(2, 5))], counts
+        )
     # the random cases reach every branch that matters, not just the easy one
-    assert min(placed, failed, offset, overlapped) > 100, (placed, failed, offset, overlapped)
+    assert min(counts[k] for k in OUTCOMES) > 100, counts
 
 
 def test_a_match_must_start_at_a_line_boundary_and_a_last_line_without_newline_ends_the_file():
@@ -241,27 +251,20 @@ def test_many_hunks_in_order_on_longer_files_agree_with_the_line_model(seed, mon
     what a hunk placed further back moved out) on files long enough to cross them: windows
     of a byte or two, or of the real size, so that every edge is crossed somewhere."""
     rng = random.Random(seed)
-    placed = failed = offset = overlapped = 0
+
+    def hunks_in_order(lines: list[bytes]) -> list[Hunk]:
+        hunks, at = [], 0
+        for number in range(1, rng.randrange(2, rng.choice([4, 8, 20]))):
+            hunk, at = hunk_in_order(rng, lines, number, at)
+            hunks.append(hunk)
+        return hunks
+
+    counts: collections.Counter = collections.Counter()
     for _ in range(700):
         monkeypatch.setattr(apply, "_WINDOW", rng.choice([1, 2, 7, 512]))
         monkeypatch.setattr(apply, "_LINE_GUESS", rng.choice([1, 3, 64]))
-        lines = random_long_file(rng)
-        owners: list[str | None] = [None] * len(lines)
-        state = FileState(b"".join(lines))
-        for member in ("m1", "m2", "m3"):
-            hunks, at = [], 0
-            for number in range(1, rng.randrange(2, rng.choice([4, 8, 20]))):
-                hunk, at = hunk_in_order(rng, lines, number, at)
-                hunks.append(hunk)
-            agreed = engine_agrees_with_model(state, lines, owners, hunks, member)
-            if agreed is None:
-                failed += 1
-                continue
-            state, lines, owners, offsets, overlaps = agreed
-            placed += 1
-            offset += bool(offsets)
-            overlapped += bool(overlaps)
-    assert min(placed, failed, offset, overlapped) > 100, (placed, failed, offset, overlapped)
+        three_members_agree(random_long_file(rng), hunks_in_order, counts)
+    assert min(counts[k] for k in OUTCOMES) > 100, counts
 
 
 BIG = MANY_HUNKS_FILE

@@ -423,9 +423,11 @@ MEMO = st.one_of(
 )
 
 
-@FAULTS
-@given(memo=st.one_of(MEMO.map(lambda v: ("json", v)), st.binary(max_size=40).map(lambda b: ("bytes", b))))
-def test_any_verified_json_gives_the_clean_outputs_or_one_line(memo, server):
+@contextlib.contextmanager
+def warm_project(server):
+    """A project on the fake wheel in a fresh directory (hypothesis examples cannot share
+    pytest's tmp_path), its cache warm from a clean run whose outputs are the reference:
+    (root, recipe, reference run, reference files)."""
     server.reset()
     with (
         tempfile.TemporaryDirectory(prefix="vllm-overlay-faults.") as tmp,
@@ -435,6 +437,13 @@ def test_any_verified_json_gives_the_clean_outputs_or_one_line(memo, server):
         recipe = wheel_recipe(root, server)
         reference_run, reference = apply_both(root, recipe)
         check_reference(reference_run, reference)
+        yield root, recipe, reference_run, reference
+
+
+@FAULTS
+@given(memo=st.one_of(MEMO.map(lambda v: ("json", v)), st.binary(max_size=40).map(lambda b: ("bytes", b))))
+def test_any_verified_json_gives_the_clean_outputs_or_one_line(memo, server):
+    with warm_project(server) as (root, recipe, reference_run, reference):
         cache = root / "cache"
         wheel = cache / "wheels" / SHA["small"] / WHEEL
         st_ = wheel.stat()
@@ -461,15 +470,7 @@ def test_any_verified_json_gives_the_clean_outputs_or_one_line(memo, server):
 def test_a_wheel_flipped_in_place_gives_the_clean_outputs_or_one_line(flips, server):
     """Bytes of the cached wheel changed anywhere (headers, directory, data), its size and
     mtime put back."""
-    server.reset()
-    with (
-        tempfile.TemporaryDirectory(prefix="vllm-overlay-faults.") as tmp,
-        mock.patch.dict(os.environ, {"VLLM_OVERLAY_CACHE": str(Path(tmp, "cache"))}),
-    ):
-        root = Path(tmp)
-        recipe = wheel_recipe(root, server)
-        reference_run, reference = apply_both(root, recipe)
-        check_reference(reference_run, reference)
+    with warm_project(server) as (root, recipe, reference_run, reference):
         wheel = root / "cache" / "wheels" / SHA["small"] / WHEEL
         data = bytearray(wheel.read_bytes())
         for at, xor in flips:

@@ -127,10 +127,15 @@ def read_regular(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
 
 
 @contextlib.contextmanager
-def locked(directory: Path) -> Iterator[None]:
-    """An exclusive lock on ``directory`` itself (flock on its descriptor: no lock file to
-    leave behind), for work that two runs must not interleave there."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive flock on ``path``, for work two runs must not interleave: a directory is
+    locked itself (no lock file to leave behind), anything else is a lock file, made if
+    missing."""
+    if path.is_dir():
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

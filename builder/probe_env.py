@@ -11,16 +11,14 @@ installed vLLM everywhere except along the paths of the overlay's files.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 
-from builder.cache import atomic_write, cache_root
+from builder.cache import atomic_write, cache_root, locked
 from builder.errors import ProbeEnvError
 
 # torch pinned by vLLM 0.30.0; installed first so pip picks the build the
@@ -44,17 +42,6 @@ def _venv_python(venv: Path) -> Path:
 
 def _marker_text(version: str) -> str:
     return f"vllm=={version}\ntorch=={TORCH_VERSION}\n"
-
-
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a+b") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 def _stream(cmd: list[str], progress: Progress, env: Mapping[str, str] | None = None) -> None:
@@ -104,7 +91,7 @@ def ensure_probe_venv(
     if marker.is_file() and python.exists():
         return python
     lock = venv.parent / f".vllm-{version}.lock"
-    with _locked(lock):
+    with locked(lock):
         # Another process may have finished while we waited for the lock.
         if marker.is_file() and python.exists():
             return python

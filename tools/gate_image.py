@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import hashlib
 import io
 import os
@@ -193,14 +192,6 @@ def run_python(client, image: str, code: str) -> str:
         container.remove(force=True)
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        yield
-
-
 def ensure_vllm_cpu_image(
     client=None,
     *,
@@ -221,9 +212,9 @@ def ensure_vllm_cpu_image(
     except docker.errors.ImageNotFound:
         raise GateImageError(f"base image {base} is not in the engine; run: bash .ci/services.sh start") from None
     ident = identity(found, base_image.id)
-    from builder.cache import cache_root
+    from builder.cache import cache_root, locked
 
-    with _locked(cache_root() / "probe-venv" / ".gate-image.lock"):
+    with locked(cache_root() / "probe-venv" / ".gate-image.lock"):
         with contextlib.suppress(docker.errors.ImageNotFound):
             have = client.images.get(tag)
             if have.labels.get(LABEL_IDENTITY) == ident and not force:

@@ -49,7 +49,7 @@ VO_REPO=$(CDPATH= cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 VO_ENV_FILE=${VO_ENV_FILE:-$VO_STATE_DIR/env}
 VO_DOCKER_SOCK=$VO_STATE_DIR/docker.sock
 VO_DOCKER2_SOCK=$VO_STATE_DIR/docker2.sock
-VO_BASE_IMAGE=${VO_BASE_IMAGE:-vllm-overlay-test/debian-python:bookworm}
+VO_BASE_IMAGE=${VO_BASE_IMAGE:-vllm-overlay-test/debian-python:bookworm-dev}
 VO_START_TIMEOUT=${VO_START_TIMEOUT:-60}
 # docker.io's client, not whatever `docker` comes first on PATH.
 VO_DOCKER_CLI=${VO_DOCKER_CLI:-/usr/bin/docker}
@@ -343,7 +343,7 @@ vo_build_base_image() {
     return 0
   fi
   local dir=$VO_CACHE_DIR/base tar t0 log=$VO_STATE_DIR/mmdebstrap.log
-  tar=$dir/debian-python-bookworm.tar
+  tar=$dir/debian-python-dev-bookworm.tar
   mkdir -p "$dir"
   if [[ -s $tar ]]; then
     vo_log "base image: using cached rootfs $tar"
@@ -353,7 +353,7 @@ vo_build_base_image() {
     vo_log "base image: mmdebstrap bookworm (log: $log)"
     local mirror=()
     [[ -n ${VO_DEBIAN_MIRROR:-} ]] && mirror=("$VO_DEBIAN_MIRROR")
-    mmdebstrap --variant=apt --format=tar --include=python3,python3-venv,python3-pip,ca-certificates \
+    mmdebstrap --variant=apt --format=tar --include=python3,python3-venv,python3-pip,python3-dev,ca-certificates \
       bookworm "$tar.part" "${mirror[@]}" </dev/null >"$log" 2>&1 ||
       { rm -rf "$tar.part"; vo_die "mmdebstrap failed: $(grep -m 1 -E '^E:' "$log") (log: $log)"; }
     mv -f "$tar.part" "$tar"

@@ -673,10 +673,22 @@ class DockerEngine:
         )
         return FoundImage(got.id, dict(got.labels or {}))
 
-    def _mounts(self, job: RankJob) -> list[Any]:
+    def _mounts(self, job: RankJob, jit_cache: Any = None) -> list[Any]:
         from docker.types import Mount
 
-        return [Mount(job.checkpoint, job.checkpoint, type="bind", read_only=True)]
+        mounts = [Mount(job.checkpoint, job.checkpoint, type="bind", read_only=True)]
+        return mounts + ([jit_cache] if jit_cache is not None else [])
+
+    def _jit_cache(self, image_id: str) -> Any:
+        """A named volume at the image's FlashInfer JIT directory, one per image key, so kernels
+        FlashInfer compiles at the first start are there at the next (the image names the directory)."""
+        from docker.types import Mount
+
+        labels = self._call("inspect the image", lambda: self.client.images.get(image_id)).labels or {}
+        target, image_key = labels.get(f"{LABEL}.flashinfer-jit-cache"), labels.get(f"{LABEL}.image-key", "")
+        if not target or not image_key:
+            return None
+        return Mount(target, f"vllm-overlay-flashinfer-{image_key.removeprefix('ik-')[:16]}", type="volume")
 
     def _gpus(self, job: RankJob) -> list[Any]:
         from docker.types import DeviceRequest
@@ -685,14 +697,18 @@ class DockerEngine:
             return []
         return [DeviceRequest(device_ids=[str(g) for g in job.rank.gpus], capabilities=[["gpu"]])]
 
-    def _create_and_start(self, job: RankJob, image_id: str, **options: Any):
+    def _create_and_start(self, job: RankJob, image_id: str, jit_cache: Any = None, **options: Any):
         from docker.errors import APIError, DockerException
         from requests.exceptions import RequestException
 
         client = self.client
         try:
             container = client.containers.create(
-                image_id, mounts=self._mounts(job), device_requests=self._gpus(job), network_mode="host", **options
+                image_id,
+                mounts=self._mounts(job, jit_cache),
+                device_requests=self._gpus(job),
+                network_mode="host",
+                **options,
             )
         except APIError as exc:
             line = _first_line(exc)
@@ -750,7 +766,9 @@ class DockerEngine:
         """The rank's serving container: the gated argv as its entrypoint (no image entrypoint or
         command around it), the host's IPC namespace (vLLM's workers share memory through it)
         and network (multi-node), the rank's GPUs, the checkpoint read-only."""
-        container = self._create_and_start(job, image_id, entrypoint=list(job.argv), ipc_mode="host", labels=labels)
+        container = self._create_and_start(
+            job, image_id, self._jit_cache(image_id), entrypoint=list(job.argv), ipc_mode="host", labels=labels
+        )
         return {"id": container.id, "name": container.name}
 
     def containers(self, labels: dict[str, str]) -> list[dict[str, str]]:

@@ -69,7 +69,7 @@ def tag_all(image, tags: Tags) -> None:
 def tags_for(recipe: Recipe, rendered: RenderedImage) -> Tags:
     repo = recipe.image.repository
     return Tags(
-        f"{repo}:rk-{short_key(rendered.runtime_key)}", f"{repo}:ik-{rendered.short_image_key}", f"{repo}:{recipe.name}"
+        f"{repo}:rk-{short_key(rendered.runtime_key)}", f"{repo}:ik-{rendered.short_image_key}", tags_for_recipe(recipe)
     )
 
 
@@ -99,10 +99,59 @@ def in_registry(client, reference: str) -> str | None:
         raise RegistryUnreachable(f"registry lookup of {reference} failed: {exc.explanation or exc}") from None
 
 
+LOCAL_RECIPE = "recipes/local.yaml"
+
+
+def ensure_base(client, recipe: Recipe, progress: Progress = _stderr) -> None:
+    """The base image in the engine, pulled if missing; an unreachable registry is one line that
+    names the base and its registry (and the recipe that builds on this machine's own services)."""
+    from docker.errors import APIError, ImageNotFound
+
+    base = recipe.image.base
+    try:
+        client.images.get(base)
+        return
+    except ImageNotFound:
+        pass
+    registry = registry_of(base.split("@", 1)[0]) or "docker.io"
+    progress(f"pull base {base} from {registry}")
+    try:
+        client.images.pull(base)
+    except APIError as exc:
+        raise ServiceUnreachable(
+            f"base image {base} is not in the engine and cannot be pulled from {registry}"
+            f" ({(exc.explanation or str(exc)).strip().splitlines()[0]}); on a machine that cannot reach it,"
+            f" `make image RECIPE={LOCAL_RECIPE}` builds on the local services `make setup` starts"
+        ) from None
+
+
+def previous_image(client, recipe: Recipe, progress: Progress = _stderr) -> str | None:
+    """The recipe's last pushed image (its moving tag), pulled to seed the build cache: on an empty
+    engine (a fresh CI runner) its install layers are reused and only the overlay is rebuilt."""
+    from docker.errors import APIError
+
+    if not registry_of(recipe.image.repository):
+        return None
+    moving = tags_for_recipe(recipe)
+    progress(f"pull {moving} as build cache")
+    try:
+        client.images.pull(moving)
+    except APIError as exc:
+        progress(f"  no build cache: {(exc.explanation or str(exc)).strip().splitlines()[0]}")
+        return None
+    return moving
+
+
+def tags_for_recipe(recipe: Recipe) -> str:
+    return f"{recipe.image.repository}:{recipe.name}"
+
+
 def build(client, recipe: Recipe, rendered: RenderedImage, files: dict[str, bytes], progress: Progress = _stderr):
     """Build the context, stream its steps, then add the labels only the built image can tell."""
     tags = tags_for(recipe, rendered)
-    image_id = _build(client, context_tar(files), tags.runtime, progress)
+    ensure_base(client, recipe, progress)
+    cache = previous_image(client, recipe, progress)
+    image_id = _build(client, context_tar(files), tags.runtime, progress, cache_from=[cache] if cache else None)
     report = _report(client, image_id, python_in_image(recipe))
     labels = {"io.vllm-overlay.torch-cuda": report["torch_cuda"], "io.vllm-overlay.nvcc": report["nvcc"]}
     dockerfile = f"FROM {image_id}\nLABEL " + " ".join(f"{k}={json.dumps(v)}" for k, v in labels.items()) + "\n"
@@ -115,7 +164,7 @@ def build(client, recipe: Recipe, rendered: RenderedImage, files: dict[str, byte
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def _build(client, context: bytes, tag: str, progress: Progress) -> str:
+def _build(client, context: bytes, tag: str, progress: Progress, cache_from: list[str] | None = None) -> str:
     """Run one build, streaming its steps; a failure is one line saying what the failing step said."""
     from docker.errors import APIError
 
@@ -130,6 +179,7 @@ def _build(client, context: bytes, tag: str, progress: Progress) -> str:
             network_mode="host",
             decode=True,
             pull=False,
+            cache_from=cache_from,
         )
         for chunk in stream:
             if "stream" in chunk:

@@ -31,6 +31,8 @@ TEMPLATE = IMAGES / "Dockerfile.j2"
 CHECKS = IMAGES / "image_checks.py"
 IMAGE_KEY_FORMAT = 1
 PLACEHOLDER = "@@"
+# Where the image's FlashInfer keeps its JIT builds (FLASHINFER_WORKSPACE_BASE); a launch mounts a volume here.
+FLASHINFER_WORKSPACE = "/var/cache/flashinfer"
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ def _render(
             image_key=image_key,
             revision=revision,
             members=list(recipe.members),
+            flashinfer_workspace=FLASHINFER_WORKSPACE,
         )
     except jinja2.TemplateError as exc:
         raise RuntimeError(f"{TEMPLATE}: {exc}") from exc

@@ -42,6 +42,8 @@ pytest_plugins = ["tests.gate_fixtures"]
 LABEL = "io.vllm-overlay"
 UNREACHABLE = "unix:///nonexistent.sock"
 FAIL_REASON = "prefill dual: extra_page_block_size 128 not in {2, 64}"
+# The image's FlashInfer JIT directory (images/Dockerfile.j2: FLASHINFER_WORKSPACE_BASE).
+JIT_CACHE = "/var/cache/flashinfer"
 # vLLM 0.30.0's console script, as pip writes it into a venv's bin/ (python3.11 is the image's interpreter).
 VLLM_SCRIPT = (
     "#!/usr/bin/env python3.11\n"
@@ -336,6 +338,8 @@ def test_launch_up_creates_one_container_per_rank_with_the_gated_argv(served, ga
     assert (receipt["outcome"], receipt["passed"], receipt["static"]) == ("up", True, True)
     assert [c["rank"] for c in receipt["containers"]] == ["a", "b"]
     checkpoint = str(gate_checkpoints["ratio2"].resolve())
+    [row] = yaml.safe_load(gate_image.produced.read_text())
+    image_key = row["image_key"]
     for container, rank, client, host in zip(
         receipt["containers"], receipt["ranks"], gate_image.clients, gate_image.hosts, strict=True
     ):
@@ -351,8 +355,13 @@ def test_launch_up_creates_one_container_per_rank_with_the_gated_argv(served, ga
         assert labels[f"{LABEL}.runtime-key"] == gate_image.runtime_key
         assert labels[f"{LABEL}.receipt"] == str(up.receipt_path)
         assert attrs["HostConfig"]["IpcMode"] == "host" and attrs["HostConfig"]["NetworkMode"] == "host"
-        [mount] = attrs["Mounts"]
-        assert (mount["Source"], mount["Destination"], mount["RW"]) == (checkpoint, checkpoint, False)
+        mounts = {m["Destination"]: m for m in attrs["Mounts"]}
+        assert set(mounts) == {checkpoint, JIT_CACHE}, attrs["Mounts"]
+        mount = mounts[checkpoint]
+        assert (mount["Type"], mount["Source"], mount["RW"]) == ("bind", checkpoint, False)
+        # FlashInfer's JIT builds outlive the container: a named volume per image key
+        jit = mounts[JIT_CACHE]
+        assert (jit["Type"], jit["Name"], jit["RW"]) == ("volume", f"vllm-overlay-flashinfer-{image_key[3:19]}", True)
         # without a GPU vllm serve may exit at once; it ran (or runs) the gated argv either way
         assert attrs["State"]["Status"] in {"running", "exited"}, attrs["State"]
     status = run_cli("launch", "status", up.profile)

@@ -3,7 +3,7 @@
 The test image of tests/test_image.py installs vLLM with ``--no-deps``, so
 ``import vllm`` fails in it and a self-test run there proves nothing.  This
 module builds ``vllm-overlay-test/vllm-cpu:0.30.0``: the local Debian base
-(``vllm-overlay-test/debian-python:bookworm``, Debian's Python 3.11) with the
+(``vllm-overlay-test/debian-python:bookworm-dev``, Debian's Python 3.11) with the
 probe venv's site-packages (vLLM 0.30.0, its dependencies, torch 2.13.0+cpu;
 built by ``make setup``, about 5.5 GB) copied to
 ``/usr/local/lib/python3.11/dist-packages``, a directory on the base
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TAG = "vllm-overlay-test/vllm-cpu:0.30.0"
-BASE = "vllm-overlay-test/debian-python:bookworm"
+BASE = "vllm-overlay-test/debian-python:bookworm-dev"
 VLLM_VERSION = "0.30.0"
 # Where the base's python3.11 looks first for installed packages (Debian's site layout).
 DEST = "/usr/local/lib/python{python}/dist-packages"

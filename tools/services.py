@@ -44,7 +44,7 @@ SERVICE_VARS = (
     "VLLM_OVERLAY_TEST_DOCKER_HOST2",  # unix:///run/vllm-overlay/docker2.sock: the second engine (a second host)
     "VLLM_OVERLAY_TEST_REGISTRY",  # 127.0.0.1:5000
     "VLLM_OVERLAY_TEST_INDEX",  # http://127.0.0.1:5001/simple/
-    "VLLM_OVERLAY_TEST_BASE_IMAGE",  # vllm-overlay-test/debian-python:bookworm
+    "VLLM_OVERLAY_TEST_BASE_IMAGE",  # vllm-overlay-test/debian-python:bookworm-dev
 )
 START_COMMAND = "bash .ci/services.sh start"
 HOST = "127.0.0.1"

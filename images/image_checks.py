@@ -296,7 +296,7 @@ def describe_mismatch(requirement, expected, got):
     """pip names "NAME==V from URL (from -r LOCK (line N))"; the file is the URL's last part."""
     url = re.search(r"[a-z+]+://\S+", requirement)
     line = re.search(r"\(line ([0-9]+)\)", requirement)
-    spec = requirement.split(" from ")[0]
+    spec = re.sub(r"\s*@\s*\S+$", "", requirement.split(" from ")[0])  # "name @ URL": the URL is named below
     what = url.group(0).split("#")[0].rstrip("/").rsplit("/", 1)[-1] if url else spec
     where = spec + (", lock line " + line.group(1) if line else "")
     shown = " or ".join(expected[:3]) + (" (or " + str(len(expected) - 3) + " more)" if len(expected) > 3 else "")

@@ -377,31 +377,45 @@ def test_pins_over_the_real_wheels_names_vllms_cuda_13_extensions(installed_venv
     assert "torch is not installed or has no CUDA build" in line
 
 
-def test_a_lock_with_one_wrong_hash_fails_naming_the_file(services, real_sha256, tmp_path):
-    python = venv(tmp_path / "venv")
+@pytest.fixture(scope="module")
+def empty_venv(services, tmp_path_factory) -> Path:
+    """A venv for the installs that must fail: nothing may land in it."""
+    python = venv(tmp_path_factory.mktemp("empty") / "venv")
+    yield python
+    site = python.parent.parent / "lib"
+    assert not list(site.glob("python*/site-packages/vllm*")), "a failed install installed vllm"
+    assert not list(site.glob("python*/site-packages/flashinfer*")), "a failed install installed flashinfer"
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["pinned", "direct-url"])
+def test_a_lock_with_one_wrong_hash_fails_naming_the_file(services, empty_venv, real_sha256, tmp_path, direct):
     script = checks_copy(tmp_path)
     lock = tmp_path / "requirements.lock"
     wrong = "0" * 64
-    lock.write_text(lock_text([wrong, "1" * 64], [real_sha256[VLLM_WHEEL]]))
+    text = lock_text([wrong, "1" * 64], [real_sha256[VLLM_WHEEL]])
+    requirement = "flashinfer-python==0.6.18.post1"
+    if direct:  # a `name @ URL` line, as uv writes for a recipe's wheel URL
+        url = index_files(services["VLLM_OVERLAY_TEST_INDEX"])[FLASHINFER_WHEEL]
+        text, requirement = text.replace(requirement, f"flashinfer-python @ {url}"), "flashinfer-python"
+    lock.write_text(text)
     (tmp_path / "tmp").mkdir()
-    line = one_line(install(python, script, lock, services["VLLM_OVERLAY_TEST_INDEX"], tmp_path / "tmp"))
+    line = one_line(install(empty_venv, script, lock, services["VLLM_OVERLAY_TEST_INDEX"], tmp_path / "tmp"))
     assert line == (
-        f"vllm-overlay: {lock}: hash mismatch: {FLASHINFER_WHEEL} (flashinfer-python==0.6.18.post1, lock line 3): "
+        f"vllm-overlay: {lock}: hash mismatch: {FLASHINFER_WHEEL} ({requirement}, lock line 3): "
         f"expected sha256 {wrong} or {'1' * 64}, got {real_sha256[FLASHINFER_WHEEL]}"
     )
     assert not (script.parent / "installed-wheels.json").exists()
-    assert list((tmp_path / "tmp").iterdir()) == []
-    assert not list((tmp_path / "venv").glob("lib/python*/site-packages/vllm"))
+    assert list((tmp_path / "tmp").iterdir()) == [], "the downloads are removed"
 
 
-def test_a_requirement_the_index_lacks_gives_pips_last_error(services, tmp_path):
-    python = venv(tmp_path / "venv")
+def test_a_requirement_the_index_lacks_gives_pips_last_error(services, empty_venv, tmp_path):
     script = checks_copy(tmp_path)
     lock = tmp_path / "requirements.lock"
     lock.write_text(f"vllm==0.29.0 \\\n    --hash=sha256:{'0' * 64}\n")
     (tmp_path / "tmp").mkdir()
-    line = one_line(install(python, script, lock, services["VLLM_OVERLAY_TEST_INDEX"], tmp_path / "tmp"))
+    line = one_line(install(empty_venv, script, lock, services["VLLM_OVERLAY_TEST_INDEX"], tmp_path / "tmp"))
     assert line == f"vllm-overlay: {lock}: pip download failed: No matching distribution found for vllm==0.29.0"
+    assert not (script.parent / "installed-wheels.json").exists()
 
 
 # ---- on the engine: the image's own Python and pip ----------------------------------

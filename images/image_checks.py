@@ -188,6 +188,80 @@ def cudart_needs(sites):
     return needs, unreadable
 
 
+REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?\s*\(?([^;()]*)\)?\s*(?:;(.*))?$")
+EXTRA_MARKER = re.compile(r"""\(?\s*extra\s*==\s*['"]([^'"]+)['"]\s*\)?""")
+
+
+def requirements_of(dist):
+    """A distribution's Requires-Dist as dicts: name, extras, specifier, the extra it belongs
+    to (None: always), and whether its marker has other conditions (not evaluated here)."""
+    found = []
+    for text in dist.requires or ():
+        m = REQUIREMENT.match(text)
+        if not m:
+            continue
+        name, extras, spec, marker = m.groups()
+        extra = EXTRA_MARKER.search(marker or "")
+        rest = re.sub(r"\b(and|or)\b", "", EXTRA_MARKER.sub("", marker or "")).strip()
+        found.append({
+            "name": normalize(name),
+            "extras": {normalize(x) for x in (extras or "").split(",") if x.strip()},
+            "spec": spec.strip(),
+            "extra": normalize(extra.group(1)) if extra else None,
+            "conditional": bool(rest),
+        })
+    return found
+
+
+def release(version):
+    m = re.match(r"\s*v?([0-9]+(?:\.[0-9]+)*)", version)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else ()
+
+
+def satisfies(version, specifier):
+    """Whether a version meets a specifier, by release numbers (enough to tell CUDA majors
+    apart); a clause this does not read counts as met, so a doubtful extra counts as installed."""
+    have = release(version)
+    for clause in (c.strip() for c in specifier.split(",")):
+        m = re.fullmatch(r"(~=|==|!=|<=|>=|<|>)\s*(\S+)", clause)
+        if not m:
+            continue
+        op, text = m.groups()
+        if text.endswith(".*"):
+            prefix = release(text[:-2])
+            if (have[: len(prefix)] == prefix) != (op == "=="):
+                return False
+            continue
+        want = release(text)
+        width = max(len(have), len(want))
+        a, b = have + (0,) * (width - len(have)), want + (0,) * (width - len(want))
+        ok = {"==": a == b, "!=": a != b, "<=": a <= b, ">=": a >= b, "<": a < b, ">": a > b,
+              "~=": a >= b and have[: len(want) - 1] == want[: len(want) - 1]}[op]
+        if not ok:
+            return False
+    return True
+
+
+def extra_installed(dists, name, extra, seen=frozenset()):
+    """Installed metadata does not record the extras asked for, so an extra counts as installed
+    when its requirements are all met and at least one of them is more than the distribution
+    requires anyway (flashinfer-python[cu12] asks only for what flashinfer-python always needs)."""
+    if (name, extra) in seen:
+        return True
+    reqs = requirements_of(dists[name])
+    base = [r for r in reqs if r["extra"] is None]
+    own = [r for r in reqs if r["extra"] == extra and not r["conditional"]]
+    beyond = [r for r in own if not any(b["name"] == r["name"] and r["extras"] <= b["extras"] for b in base)]
+    seen = seen | {(name, extra)}
+    return bool(beyond) and all(requirement_met(dists, r, seen) for r in own)
+
+
+def requirement_met(dists, req, seen):
+    dist = dists.get(req["name"])
+    return (dist is not None and satisfies(dist.version, req["spec"])
+            and all(extra_installed(dists, req["name"], e, seen) for e in req["extras"]))
+
+
 def named_majors(dists):
     """(label, CUDA major) for every installed distribution whose name, version, or an
     installed extra names a CUDA major."""
@@ -204,16 +278,10 @@ def named_majors(dists):
         m = re.search(r"\+(?:.*\.)?cu([0-9]+)(?:\.|$)", version)  # a local label like +cu128: CUDA 12.8
         if m and len(m.group(1)) > 1:
             found.append((label, m.group(1)[:-1]))
-        extras = {}
-        for req in dist.requires or ():
-            e = re.search(r"""extra\s*==\s*['"]([^'"]+)['"]""", req)
-            r = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req)
-            if e and r:
-                extras.setdefault(normalize(e.group(1)), []).append(normalize(r.group(1)))
-        for extra, reqs in sorted(extras.items()):
-            m = re.fullmatch(r"cu([0-9]+)", extra)
-            if m and all(r in dists for r in reqs):  # every requirement of the extra installed
-                found.append((name + "[" + extra + "] " + version, m.group(1)))
+        extras = sorted({r["extra"] for r in requirements_of(dist) if r["extra"] and re.fullmatch(r"cu[0-9]+", r["extra"])})
+        for extra in extras:
+            if extra_installed(dists, name, extra):
+                found.append((name + "[" + extra + "] " + version, extra[2:]))
     return found
 
 
@@ -412,7 +480,8 @@ def check_cuda(cuda, accepted, dists):
     problems = [label + " is CUDA " + major for label, major in named_majors(dists) if major != image_major]
     tc = torch_cuda()
     if tc is None:
-        problems.append("torch is not installed or has no CUDA build")
+        torch = version_of("torch")
+        problems.append("torch " + torch + " has no CUDA build" if torch else "torch is not installed")
     elif tc.split(".")[0] != image_major:
         problems.append("torch " + (version_of("torch") or "?") + " is built for CUDA " + tc)
     needs, unreadable = cudart_needs(sites)

@@ -287,6 +287,48 @@ def test_report_names_the_installed_wheels(tmp_path, elf):
     assert report["installed"] == f"vllm==0.30.0 sha256:{'a' * 64}; flashinfer-python==0.6.18.post1 sha256:{'b' * 64}"
 
 
+# ---- pins over vLLM 0.30.0's real PyPI closure (the probe venv, with CPU torch) ------------
+
+
+def offenders(line: str) -> set[str]:
+    """The offenders a CUDA-mismatch line names, versions left out (the probe venv's closure is resolved when built)."""
+    named = set()
+    for item in line.split(", but ", 1)[1].split("; "):
+        m = re.fullmatch(r"(\S+) \S+ is CUDA ([0-9]+)", item)
+        named.add(f"{m.group(1)}: CUDA {m.group(2)}" if m else item)
+    return named
+
+
+def test_pins_over_vllms_real_pypi_closure_names_its_cuda_13_pieces(probe_python, tmp_path):
+    """What the issue found by reading metadata, found by the check: on a CUDA 12.8 claim,
+    vLLM 0.30.0's closure from PyPI is CUDA 13 in eight packages and fourteen extensions."""
+    script = checks_copy(tmp_path)  # no installed-wheels.json: the venv was not installed from a lock
+    base = [str(probe_python), str(script), "pins", "--vllm", VLLM, "--flashinfer", FLASHINFER]
+    proc = subprocess.run([*base, "--cuda", "12.8.1"], capture_output=True, text=True)
+    named = offenders(one_line(proc))
+    cuda13 = {
+        f"vllm/{p} needs libcudart.so.13" for p in ("_C_stable_libtorch.abi3.so", "_moe_C_stable_libtorch.abi3.so")
+    }
+    assert cuda13 <= named, named
+    assert len([n for n in named if n.startswith("vllm/")]) == 14, named
+    assert {n for n in named if not n.startswith("vllm/")} == {
+        "cuda-bindings: CUDA 13",
+        "cuda-python: CUDA 13",
+        "flashinfer-python[cu13]: CUDA 13",
+        "humming-kernels[cu13]: CUDA 13",
+        "nvidia-cuda-runtime: CUDA 13",
+        "nvidia-cutlass-dsl[cu13]: CUDA 13",
+        "nvidia-cutlass-dsl-libs-cu13: CUDA 13",
+        "quack-kernels[cu13]: CUDA 13",
+        "torch 2.13.0+cpu has no CUDA build",
+    }, named
+    assert "vllm: every file in its RECORD has its recorded hash" in proc.stdout
+    # On a CUDA 13 claim only cutlass's CUDA 12 libraries (nvidia-cutlass-dsl requires them
+    # whatever its extra) and the CPU torch remain.
+    named = offenders(one_line(subprocess.run([*base, "--cuda", "13.0.2"], capture_output=True, text=True)))
+    assert named == {"nvidia-cutlass-dsl-libs-cu12: CUDA 12", "torch 2.13.0+cpu has no CUDA build"}, named
+
+
 # ---- install: against the local index ---------------------------------------------
 
 

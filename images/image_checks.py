@@ -182,7 +182,7 @@ def cudart_needs(sites):
                     unreadable.append(os.path.relpath(path, site) + " (" + str(exc) + ")")
                     continue
                 for lib in needed or ():
-                    m = re.fullmatch(r"libcudart\.so\.([0-9]+)", lib)
+                    m = re.fullmatch(r"libcudart\.so\.([0-9]+)(\.[0-9]+)*", lib)
                     if m:
                         needs.append((site, os.path.relpath(path, site), m.group(1)))
     return needs, unreadable

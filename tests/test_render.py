@@ -39,7 +39,10 @@ def test_default_dockerfile(recipe):
         in text
     )
     assert "flashinfer-python==0.6.18.post1 torch==2.13.0+cu128" in text
-    assert "image_checks.py pins 0.30.0 0.6.18.post1 12.8.1\n" in text
+    assert (
+        "image_checks.py pins --vllm 0.30.0 --flashinfer 0.6.18.post1 --cuda 12.8.1"
+        " --sha256 flashinfer-python=adb6d2952b47131138e108bd2999b1fe18b71f1a4c0b2684f168753db9563991\n" in text
+    ), "the wheel sha256 of the +cu128 vLLM URL is not pinned, so only FlashInfer's is passed"
     # the overlay comes after everything that installs, and the keys only in the final labels
     assert text.index("pip install") < text.index("FROM installed AS overlay") < text.index("COPY --from=overlay")
     assert text.index(RK) > text.index("image_checks.py finish")

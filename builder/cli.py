@@ -16,7 +16,7 @@ import shlex
 import sys
 import traceback
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from builder import api
 from builder.errors import InputError, OverlayError
@@ -222,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = actions.add_parser(name, help=text, description=text)
         p.add_argument("profile", help="launch profile YAML")
         p.set_defaults(func=func)
+    add_rebase_commands(sub)
     return parser
 
 
@@ -262,3 +263,27 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return INTERNAL_ERROR
+
+
+# ---------------------------------------------------------------- rebase and the member workflow
+
+
+def cmd_rebase(args: argparse.Namespace) -> int:
+    result = api.rebase(args.recipe, to=args.to, to_wheel=args.to_wheel, write=args.write, progress=api.stderr_progress)
+    print(json.dumps(result.to_json(), indent=2) if args.json else result.table())
+    return 1 if result.conflicts else 0
+
+
+def add_rebase_commands(sub: Any) -> None:
+    p = sub.add_parser(
+        "rebase",
+        help="carry the members onto a newer vLLM: a per-member report, and with --write a new recipe",
+        description="carry the members onto a newer vLLM: a per-member report, and with --write a new recipe",
+    )
+    p.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE, help=f"recipe YAML (default {DEFAULT_RECIPE})")
+    to = p.add_mutually_exclusive_group(required=True)
+    to.add_argument("--to", metavar="vllm==X.Y.Z", help="the new vLLM release (fetched from the pin's index)")
+    to.add_argument("--to-wheel", metavar="PATH", help="a vLLM wheel file on this machine")
+    p.add_argument("--write", metavar="DIR", help="write the new recipe and the refreshed members here")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_rebase)

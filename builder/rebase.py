@@ -364,11 +364,12 @@ def render_report(rows: list[MemberRebase], old_label: str, new_label: str) -> s
                 out.append("  three-way:")
                 out.extend(f"    {line}" for line in c["three_way"].splitlines())
     conflicts = [r.name for r in rows if r.status == CONFLICT]
-    out.append("")
-    out.append(
-        f"rebase: {len(rows) - len(conflicts)} of {len(rows)} members carry"
-        + (f"; conflicts: {', '.join(conflicts)}" if conflicts else "")
-    )
+    upstream = [r.name for r in rows if r.status == UPSTREAM]
+    carried = len(rows) - len(conflicts) - len(upstream)
+    summary = f"rebase: {carried} of {len(rows)} members carried"
+    summary += f"; already upstream: {', '.join(upstream)}" if upstream else ""
+    summary += f"; conflicts: {', '.join(conflicts)}" if conflicts else ""
+    out += ["", summary]
     return "\n".join(out)
 
 

@@ -443,3 +443,47 @@ def _new_flashinfer(recipe: Recipe, wheel: Path, local: bool, progress: Progress
     pin = newpin.resolve_pin("flashinfer-python", version, recipe.flashinfer)
     newpin.fetch(pin, progress=_Stream(progress))
     return pin, f"pinned by {where}; sha256 from {pin.index}"
+
+
+def member_new(recipe: str | Path, name: str, *, after: str | None = None, today: str | None = None) -> Path:
+    """overlay/NAME.patch with a header template (no diff yet), placed in the recipe's members
+    after ``after`` (default: last); the recipe's other text and comments are kept."""
+    import getpass
+
+    from builder.rebase import check_today, today_utc
+    from builder.workdir import new_member
+
+    author = f"{getpass.getuser()} <{getpass.getuser()}@localhost>"
+    return new_member(recipe, name, after, check_today(today or today_utc()), author)
+
+
+def member_edit(
+    recipe: RecipeLike,
+    name: str,
+    out: str | Path,
+    *,
+    files: list[str] | tuple[str, ...] = (),
+    full: bool = False,
+    progress: Progress = _quiet,
+) -> dict[str, Any]:
+    """A work directory: the pinned tree with the members up to and including NAME applied;
+    only the files those members touch and ``files`` (``full``: every file)."""
+    from builder.workdir import edit
+
+    recipe = recipe_of(recipe)
+    runtime = "rk-workdir"
+    destination = _destination(recipe, out, "DIR", f"member edit {name}", runtime)
+    tree = pinned_tree(recipe.vllm)
+    info = edit(recipe, tree, name, destination, list(files), full, runtime)
+    progress(f"wrote {'the full tree' if full else str(len(info['files'])) + ' files'} for {name} to {out}")
+    return info
+
+
+def member_refresh(recipe: RecipeLike, name: str, workdir: str | Path, *, today: str | None = None) -> Any:
+    """NAME's diff regenerated from the work directory (its header kept, Last-Update set);
+    refused, naming them, when later members would no longer apply (builder.workdir.Refreshed)."""
+    from builder.rebase import check_today, today_utc
+    from builder.workdir import refresh
+
+    recipe = recipe_of(recipe)
+    return refresh(recipe, pinned_tree(recipe.vllm), name, Path(workdir), check_today(today or today_utc()))

@@ -223,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("profile", help="launch profile YAML")
         p.set_defaults(func=func)
     add_rebase_commands(sub)
+    add_member_commands(sub)
     return parser
 
 
@@ -287,3 +288,51 @@ def add_rebase_commands(sub: Any) -> None:
     p.add_argument("--write", metavar="DIR", help="write the new recipe and the refreshed members here")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_rebase)
+
+
+def cmd_member_new(args: argparse.Namespace) -> int:
+    path = api.member_new(args.recipe, args.name, after=args.after)
+    print(path)
+    api.stderr_progress(f"edit its header, then: vllm-overlay member edit {args.name} DIR --recipe {args.recipe}")
+    return 0
+
+
+def cmd_member_edit(args: argparse.Namespace) -> int:
+    info = api.member_edit(
+        args.recipe, args.name, args.dir, files=args.file or (), full=args.full, progress=api.stderr_progress
+    )
+    for path in info["files"]:
+        print(path)
+    return 0
+
+
+def cmd_member_refresh(args: argparse.Namespace) -> int:
+    result = api.member_refresh(args.recipe, args.name, args.dir)
+    verb = "refreshed" if result.changed else "unchanged"
+    print(f"{verb} {result.name}: {', '.join(result.files)}")
+    return 0
+
+
+def add_member_commands(sub: Any) -> None:
+    member = sub.add_parser(
+        "member",
+        help="the member workflow: new, edit in a work directory, refresh",
+        description="the member workflow: new, edit in a work directory, refresh",
+    )
+    actions = member.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    def action(name: str, func: Any, text: str) -> argparse.ArgumentParser:
+        p = actions.add_parser(name, help=text, description=text)
+        p.add_argument("name", help="the member's name")
+        p.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"recipe YAML (default {DEFAULT_RECIPE})")
+        p.set_defaults(func=func)
+        return p
+
+    p = action("new", cmd_member_new, "write overlay/NAME.patch (a header template) and place it in the recipe")
+    p.add_argument("--after", metavar="OTHER", help="place it after this member (default: last)")
+    p = action("edit", cmd_member_edit, "a work directory: the pinned tree with the members up to NAME applied")
+    p.add_argument("dir", metavar="DIR", help="the work directory (made, or replaced if an earlier one)")
+    p.add_argument("--file", action="append", metavar="PATH", help="a tree path to include too (repeatable)")
+    p.add_argument("--full", action="store_true", help="every file of the tree, not only the touched ones")
+    p = action("refresh", cmd_member_refresh, "regenerate NAME's diff from its work directory")
+    p.add_argument("dir", metavar="DIR", help="the work directory member edit made")

@@ -145,7 +145,8 @@ def unified_hunks(old: Lines, new: Lines, context: int = 3) -> list[bytes]:
     for group in matcher.get_grouped_opcodes(context):
         i1, i2, j1, j2 = group[0][1], group[-1][2], group[0][3], group[-1][4]
         old_len, new_len = i2 - i1, j2 - j1
-        header = f"@@ -{i1 + (old_len > 0)},{old_len} +{j1 + (new_len > 0)},{new_len} @@\n".encode()
+        header = f"@@ -{i1 + (old_len > 0)},{old_len} +{j1 + (new_len > 0)},{new_len} @@".encode()
+        header += _section(old, i1) + b"\n"
         body = [header]
         for op, a1, a2, b1, b2 in group:
             if op == "equal":
@@ -155,6 +156,15 @@ def unified_hunks(old: Lines, new: Lines, context: int = 3) -> list[bytes]:
             body.extend(_line(b"+", x) for x in new[b1:b2])
         out.append(b"".join(body))
     return out
+
+
+def _section(old: Lines, start: int) -> bytes:
+    """git's default hunk section text: the nearest line above the hunk that starts with a
+    letter, ``_`` or ``$`` (e.g. the enclosing class), cut at 80 bytes."""
+    for line in reversed(old[max(start - 1000, 0) : start]):
+        if line[:1].isalpha() or line[:1] in (b"_", b"$"):
+            return b" " + line.rstrip(b"\r\n")[:80].rstrip()
+    return b""
 
 
 def _line(kind: bytes, text: bytes) -> bytes:

@@ -99,7 +99,7 @@ def _one(
     today: str,
 ) -> MemberRebase:
     data = member.path.read_bytes()
-    header = _header(data, today)
+    header = member_header(data, today)
     try:
         result = new.try_member(member)
     except HunkFailure as failure:
@@ -109,10 +109,11 @@ def _one(
             {"file": o.path, "hunk": o.hunk.number, "header": o.hunk.header, "offset": o.offset} for o in result.offsets
         ]
         if not offsets:  # the diff is the same: only the header changes
-            text = header + data[len(_header(data, None)) :]
+            text = header + data[len(member_header(data, None)) :]
         else:
             text = header + b"".join(
-                _file_diff(fp.path, new.state(fp.path).data, result.staged[fp.path].data, fp) for fp in member.files
+                file_diff(fp.path, new.state(fp.path).data, result.staged[fp.path].data, fp.new_mode)
+                for fp in member.files
             )
         return _row(member, OFFSETS if offsets else APPLIES, text, offsets=offsets)
 
@@ -142,7 +143,12 @@ def _one(
                 for o in result.offsets
             ]
             text = header + b"".join(
-                _file_diff(targets[fp.path], new.state(targets[fp.path]).data, result.staged[targets[fp.path]].data, fp)
+                file_diff(
+                    targets[fp.path],
+                    new.state(targets[fp.path]).data,
+                    result.staged[targets[fp.path]].data,
+                    fp.new_mode,
+                )
                 for fp in member.files
             )
             return _row(member, MOVED, text, offsets=offsets, moved=moved)
@@ -173,7 +179,7 @@ def _one(
         )
         result_bytes = b"".join(merged.lines)
         same_all = same_all and result_bytes == theirs
-        diffs.append(_file_diff(target, theirs, result_bytes, fp))
+        diffs.append(file_diff(target, theirs, result_bytes, fp.new_mode))
     if texts:
         conflict["three_way"] = "\n".join(texts)
         return MemberRebase(member.name, CONFLICT, moved=moved, conflict=conflict)
@@ -294,7 +300,7 @@ def _str(line: bytes) -> str:
     return line.decode("utf-8", "replace")
 
 
-def _header(data: bytes, today: str | None) -> bytes:
+def member_header(data: bytes, today: str | None) -> bytes:
     """The member's bytes before its diff; with ``today``, its Last-Update set to it."""
     at = data.find(b"\ndiff --git ")
     head = data[: at + 1] if at >= 0 else data
@@ -307,12 +313,12 @@ def _header(data: bytes, today: str | None) -> bytes:
     return body + b"\n" + line + head[len(body) + 1 :]
 
 
-def _file_diff(path: str, before: bytes | None, after: bytes | None, fp: FilePatch) -> bytes:
+def file_diff(path: str, before: bytes | None, after: bytes | None, new_mode: str | None) -> bytes:
     """One file's git diff, from the new tree's bytes to the member's result there."""
     p = path.encode("utf-8", "surrogateescape")
     out = [b"diff --git a/%s b/%s\n" % (p, p)]
     if before is None:
-        out.append(f"new file mode {fp.new_mode or '100644'}\n".encode())
+        out.append(f"new file mode {new_mode or '100644'}\n".encode())
         out.append(b"--- /dev/null\n+++ b/%s\n" % p)
     elif after is None:
         out.append(b"deleted file mode 100644\n--- a/%s\n+++ /dev/null\n" % p)

@@ -357,18 +357,26 @@ def rebase(
     to_wheel: str | Path | None = None,
     write: str | Path | None = None,
     today: str | None = None,
+    probe_argv: list[str] | None = None,
+    python: str | Path | None = None,
+    static: bool = False,
     progress: Progress = _quiet,
 ) -> Rebased:
     """Carry the recipe's members onto ``to`` (``vllm==X.Y.Z``, fetched from the pin's index,
     its sha256 as the index records it) or ``to_wheel`` (a wheel file); with ``write``, a new
     recipe and the refreshed members of every member that is not a conflict go there (the
-    original recipe and members are never touched)."""
+    original recipe and members are never touched).  With ``probe_argv`` (a rank's vllm serve
+    argv), the probe's four arms run on the new tree with the members that carried, in
+    ``python`` (default: the cached probe venv of the new vLLM, built on first use), whose
+    installed vLLM must be the new tree's files."""
     from builder import newpin
     from builder.rebase import check_today, rebase_members, today_utc
     from builder.tree import WheelTree
 
     if (to is None) == (to_wheel is None):
         raise InputError("give one of --to vllm==X.Y.Z or --to-wheel PATH", field="rebase")
+    if probe_argv is not None and not probe_argv:
+        raise InputError("rebase --probe: give the rank's vllm serve argv after '--' (e.g. -- /models/v41 -tp 4)")
     recipe = recipe_of(recipe)
     members = load_recipe_members(recipe)
     new_pin = (
@@ -395,6 +403,16 @@ def rebase(
         write_rebased(destination, result)
         progress(f"wrote the rebased recipe and {sum(r.written for r in rows)} members to {write}")
         result = replace(result, written=Path(write))
+    if probe_argv is not None:
+        from dataclasses import replace
+
+        from builder.probe import probe as run_probe
+        from builder.probe_env import ensure_probe_venv
+
+        carried = tuple(r.member for r in rows if r.written)
+        interpreter = Path(python) if python else ensure_probe_venv(new_pin.version, progress=progress)
+        progress(f"rebase --probe: the self-test on vllm {new_pin.version} with {len(carried)} carried members")
+        result = replace(result, probe=run_probe(new_tree, carried, interpreter, probe_argv, static))
     return result
 
 

@@ -270,9 +270,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_rebase(args: argparse.Namespace) -> int:
-    result = api.rebase(args.recipe, to=args.to, to_wheel=args.to_wheel, write=args.write, progress=api.stderr_progress)
-    print(json.dumps(result.to_json(), indent=2) if args.json else result.table())
-    return 1 if result.conflicts else 0
+    from builder.probe import render_arms
+
+    if args.serve_argv and not args.probe:
+        raise InputError("an argv after '--' is for --probe", field="rebase")
+    result = api.rebase(
+        args.recipe,
+        to=args.to,
+        to_wheel=args.to_wheel,
+        write=args.write,
+        probe_argv=args.serve_argv if args.probe else None,
+        python=args.python,
+        static=args.static,
+        progress=api.stderr_progress,
+    )
+    if args.json:
+        data = result.to_json()
+        if result.probe is not None:
+            data["probe"] = [
+                {"tree": a.tree, "argv": a.argv, "routes": a.run.routes, "verdict": a.run.verdict} for a in result.probe
+            ]
+        print(json.dumps(data, indent=2))
+    else:
+        print(result.table())
+        if result.probe is not None:
+            print()
+            print(render_arms(result.probe))
+    return 1 if result.conflicts else 0  # the probe's table informs, as the probe command's does
 
 
 def add_rebase_commands(sub: Any) -> None:
@@ -287,6 +311,11 @@ def add_rebase_commands(sub: Any) -> None:
     to.add_argument("--to-wheel", metavar="PATH", help="a vLLM wheel file on this machine")
     p.add_argument("--write", metavar="DIR", help="write the new recipe and the refreshed members here")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--probe", action="store_true", help="then run the probe (the self-test's table) on the new tree; argv after --"
+    )
+    p.add_argument("--python", metavar="PY", help="with --probe: an interpreter where the new vLLM is importable")
+    p.add_argument("--static", action="store_true", help="with --probe: judge on the static checks alone")
     p.set_defaults(func=cmd_rebase)
 
 

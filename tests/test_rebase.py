@@ -34,6 +34,8 @@ SWA = "sm120_swa_page_block_size"
 SELFTEST = "sm120_decode_shape_selftest"
 VERSIONS = ("0.31.0", "0.32.0", "0.33.0")
 TODAY = "2026-12-01"
+# checkpoints: written once per session (the probe tests)
+pytest_plugins = ["tests.selftest_runs"]
 
 
 # ---- fixtures ---------------------------------------------------------------
@@ -419,3 +421,42 @@ def test_unified_hunks_apply_with_git(tmp_path):
     (tmp_path / "p.diff").write_bytes(patch)
     subprocess.run(["git", "apply", "p.diff"], cwd=tmp_path, check=True)
     assert (tmp_path / "f").read_bytes() == new
+
+
+# ---- rebase --probe ---------------------------------------------------------
+# The probe needs a venv of the new vLLM; only 0.30.0's is built here (builder/probe_env.py,
+# ~5.5 GB, ~12 min), so the real runs are: onto the 0.30.0 wheel itself with that venv (the
+# four arms run), and onto 0.33.0 with it (refused: the installed files are not the new tree's).
+
+
+def test_probe_runs_the_four_arms_on_the_new_tree(probe_python, checkpoints, vllm_wheel):
+    proc = run_cli(
+        "rebase", DEFAULT_RECIPE, "--to-wheel", vllm_wheel, "--probe", "--python", probe_python, "--static",
+        "--", checkpoints["v41"], "--headless", "-tp", "4",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report, _, table = proc.stdout.partition("\n\ntree ")
+    assert re.search(rf"(?m)^{SWA} +applies *$", report)
+    rows = {tuple(re.split(r"\s{2,}", line.strip())[:2]): line for line in table.splitlines()[1:]}
+    assert sorted(rows) == sorted(
+        [("unpatched", "as given"), ("unpatched", "text-only"), ("patched", "as given"), ("patched", "text-only")]
+    )
+    assert "page_block_size 32 not in {64}" in rows[("unpatched", "as given")]
+    assert "page_block_size 32" not in rows[("patched", "as given")]
+
+
+def test_probe_with_another_versions_venv_is_refused(probe_python, checkpoints, new_wheels):
+    proc = run_cli(
+        "rebase", DEFAULT_RECIPE, "--to", "vllm==0.33.0", "--probe", "--python", probe_python, "--static",
+        "--", checkpoints["v41"], "-tp", "4",
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "the installed vLLM differs from the pinned tree" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) <= 3  # progress lines, then the one error line
+
+
+def test_probe_needs_an_argv():
+    proc = run_cli("rebase", DEFAULT_RECIPE, "--to", "vllm==0.33.0", "--probe")
+    assert proc.returncode == 2 and "give the rank's vllm serve argv after '--'" in proc.stderr
+    proc = run_cli("rebase", DEFAULT_RECIPE, "--to", "vllm==0.33.0", "--", "x")
+    assert proc.returncode == 2 and "an argv after '--' is for --probe" in proc.stderr

@@ -486,9 +486,10 @@ def member_edit(
 ) -> dict[str, Any]:
     """A work directory: the pinned tree with the members up to and including NAME applied;
     only the files those members touch and ``files`` (``full``: every file)."""
-    from builder.workdir import edit
+    from builder.workdir import check_member, edit
 
     recipe = recipe_of(recipe)
+    check_member(recipe, name)  # before the tree is opened (or fetched)
     runtime = "rk-workdir"
     destination = _destination(recipe, out, "DIR", f"member edit {name}", runtime)
     tree = pinned_tree(recipe.vllm)
@@ -501,7 +502,9 @@ def member_refresh(recipe: RecipeLike, name: str, workdir: str | Path, *, today:
     """NAME's diff regenerated from the work directory (its header kept, Last-Update set);
     refused, naming them, when later members would no longer apply (builder.workdir.Refreshed)."""
     from builder.rebase import check_today, today_utc
-    from builder.workdir import refresh
+    from builder.workdir import check_member, check_workdir, refresh
 
     recipe = recipe_of(recipe)
+    check_member(recipe, name)
+    check_workdir(Path(workdir), recipe, name)  # before the tree is opened (or fetched)
     return refresh(recipe, pinned_tree(recipe.vllm), name, Path(workdir), check_today(today or today_utc()))

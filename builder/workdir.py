@@ -94,10 +94,14 @@ def _with_members(text: str, order: list[str], path: Path) -> str:
 # ---------------------------------------------------------------- edit and refresh
 
 
-def _split(recipe: Recipe, name: str) -> tuple[list[Member], Member | None, list[Member]]:
-    """(members before NAME, NAME or None while it has no diff yet, members after)."""
+def check_member(recipe: Recipe, name: str) -> None:
     if name not in recipe.members:
         raise InputError(f"the recipe has no member {name}", file=recipe.path, field="members")
+
+
+def _split(recipe: Recipe, name: str) -> tuple[list[Member], Member | None, list[Member]]:
+    """(members before NAME, NAME or None while it has no diff yet, members after)."""
+    check_member(recipe, name)
     at = recipe.members.index(name)
     before = [load_member(recipe.member_path(n), n) for n in recipe.members[:at]]
     after = [load_member(recipe.member_path(n), n) for n in recipe.members[at + 1 :]]
@@ -151,7 +155,7 @@ class Refreshed:
 
 
 def refresh(recipe: Recipe, tree: Tree, name: str, workdir: Path, today: str) -> Refreshed:
-    info = _workdir_info(workdir, recipe, name)
+    info = check_workdir(workdir, recipe, name)
     member_path = recipe.member_path(name)
     if os.path.exists(source_of(member_path)):
         raise InputError(
@@ -227,7 +231,7 @@ def _template_header(data: bytes, today: str) -> bytes:
     return head if head.endswith(b"\n\n") else head.rstrip(b"\n") + b"\n\n"
 
 
-def _workdir_info(workdir: Path, recipe: Recipe, name: str) -> dict[str, Any]:
+def check_workdir(workdir: Path, recipe: Recipe, name: str) -> dict[str, Any]:
     if not is_earlier_output(workdir):
         raise InputError(f"not a member work directory (no {MARKER}); make one with member edit", file=workdir)
     try:

@@ -63,8 +63,10 @@ def test_bad_input_is_one_line_and_changes_nothing(project, args, expected, tmp_
     workdir.mkdir()
     args = [str(workdir) if a == "DIR" else a for a in args]
     before = snapshot(project.parent.parent)
-    proc = run_cli(*args, "--recipe", project)
+    cache = tmp_path / "empty-cache"  # refused before any tree is opened: nothing fetched
+    proc = run_cli(*args, "--recipe", project, env={"VLLM_OVERLAY_CACHE": str(cache)})
     assert proc.returncode == 2, proc.stderr
+    assert not cache.exists()
     assert expected in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert snapshot(project.parent.parent) == before

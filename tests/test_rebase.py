@@ -350,8 +350,10 @@ def test_result_already_in_the_new_tree_reads_already_upstream(vllm_wheel, tmp_p
     ],
 )
 def test_bad_arguments(args, expected, tmp_path):
-    proc = run_cli("rebase", DEFAULT_RECIPE, *args, "--write", tmp_path / "out")
+    cache = tmp_path / "empty-cache"
+    proc = run_cli("rebase", DEFAULT_RECIPE, *args, "--write", tmp_path / "out", env={"VLLM_OVERLAY_CACHE": str(cache)})
     assert proc.returncode == 2, proc.stderr
+    assert not cache.exists()  # refused before anything was fetched
     assert expected in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()

@@ -229,7 +229,13 @@ def _upstream_evidence(member: Member, new: Workspace) -> list[str]:
     except HunkFailure:
         pass
     else:
-        return ["its reverse applies to the new tree"]
+        where = []
+        for fp in member.files:
+            data = new.state(fp.path).data
+            for h in fp.hunks:
+                at = None if data is None else find_hunk(data, h.reversed(), max(h.new_start - 1, 0))
+                where.append(f"{fp.path} hunk {h.number}" + ("" if at is None else f" at line {at[0] + 1}"))
+        return [f"its reverse applies to the new tree: {', '.join(where)}"]
     evidence = []
     for fp in member.files:
         data = new.state(fp.path).data

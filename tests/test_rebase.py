@@ -244,8 +244,16 @@ def test_real_upstream_change_reads_already_upstream(path, target, new_wheels, t
     result = api.rebase(recipe, to=f"vllm=={target}", today=TODAY)
     (only,) = result.rows
     assert only.status == "already upstream", only.to_json()
-    assert only.evidence
     assert not only.written
+    # the evidence names where each hunk's result is in the new tree: read here from the diff's
+    # new side (context and added lines) and the target file
+    diff = git_diff({path: a}, {path: b})
+    hunks = re.split(r"(?m)^@@ .*\n", diff)[1:]
+    new_sides = ["".join(line[1:] + "\n" for line in h.splitlines() if line[:1] in " +") for h in hunks]
+    target_text = read(new_wheels[target], path).decode()
+    places = [target_text[: target_text.index(side)].count("\n") + 1 for side in new_sides]
+    where = ", ".join(f"{path} hunk {n} at line {line}" for n, line in enumerate(places, start=1))
+    assert only.evidence == [f"its reverse applies to the new tree: {where}"]
 
 
 # ---- a moved file and a conflict, in test trees made from the real wheel ----

@@ -43,7 +43,8 @@ pytest_plugins = ["tests.selftest_runs"]
 
 @pytest.fixture(scope="session")
 def new_wheels(vllm_wheel) -> dict[str, Path]:
-    """The real newer vLLM wheels, fetched once (PyPI) and sha256-checked like any pin."""
+    """The real newer vLLM wheels, fetched once (PyPI) and sha256-checked like any pin (through
+    vllm_wheel these tests are marked `wheel`: `make test-fast` leaves them out)."""
     like = load_recipe(DEFAULT_RECIPE).vllm
     return {v: fetch(resolve_pin("vllm", v, like)) for v in VERSIONS}
 

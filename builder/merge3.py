@@ -78,7 +78,8 @@ def _apply(base: Lines, start: int, end: int, side: list[Edit]) -> Lines:
 
 
 def _text(lines: Lines) -> str:
-    return "".join(line.decode("utf-8", "replace") if line.endswith(b"\n") else line.decode() + "\n" for line in lines)
+    text = "".join(line.decode("utf-8", "replace") for line in lines)
+    return text if not text or text.endswith("\n") else text + "\n"
 
 
 def merge(base: Lines, ours: Lines, theirs: Lines) -> Merged:

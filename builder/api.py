@@ -486,11 +486,15 @@ def member_edit(
 ) -> dict[str, Any]:
     """A work directory: the pinned tree with the members up to and including NAME applied;
     only the files those members touch and ``files`` (``full``: every file)."""
-    from builder.workdir import check_member, edit
+    from builder.workdir import check_member, check_paths, edit
 
     recipe = recipe_of(recipe)
     check_member(recipe, name)  # before the tree is opened (or fetched)
-    runtime = "rk-workdir"
+    check_paths(list(files))
+    try:  # the marker records the recipe's key; a member without a diff yet has none
+        runtime = _keyed(recipe)[2]
+    except InputError:
+        runtime = "none (a member has no diff yet)"
     destination = _destination(recipe, out, "DIR", f"member edit {name}", runtime)
     tree = pinned_tree(recipe.vllm)
     info = edit(recipe, tree, name, destination, list(files), full, runtime)

@@ -361,7 +361,9 @@ def add_member_commands(sub: Any) -> None:
     p.add_argument("--after", metavar="OTHER", help="place it after this member (default: last)")
     p = action("edit", cmd_member_edit, "a work directory: the pinned tree with the members up to NAME applied")
     p.add_argument("dir", metavar="DIR", help="the work directory (made, or replaced if an earlier one)")
-    p.add_argument("--file", action="append", metavar="PATH", help="a tree path to include too (repeatable)")
+    p.add_argument(
+        "--file", action="append", metavar="PATH", help="a tree path to include too, or a file to create (repeatable)"
+    )
     p.add_argument("--full", action="store_true", help="every file of the tree, not only the touched ones")
     p = action("refresh", cmd_member_refresh, "regenerate NAME's diff from its work directory")
     p.add_argument("dir", metavar="DIR", help="the work directory member edit made")

@@ -4,8 +4,9 @@
 until it is refreshed its file has no diff, which only ``member edit``/``refresh``
 accept (every other command refuses it, as it refuses any member without a diff).
 ``member edit`` writes the pinned tree with the members up to and including NAME
-applied, only the files those members touch and the files asked for (``--full``:
-every file), as an output directory (builder.output: marker, whole or nothing).
+applied, only the files those members touch and the files asked for (``--file``, which
+may name a file to create; ``--full``: every file), as an output directory
+(builder.output: marker, whole or nothing).
 ``member refresh`` diffs the work directory against the tree with the members
 before NAME applied, keeps NAME's header with Last-Update set, and refuses,
 naming them, when a later member no longer applies on the result.
@@ -119,9 +120,10 @@ def edit(
     overlay = apply_members(tree, members)
     changed = overlay.by_path()
     wanted = set(changed) | set(files)
-    for path in files:
-        if tree.read(path) is None and path not in changed:
-            raise InputError("the pinned tree has no such file", path=path, field="--file")
+    check_paths(files)
+    for path in files:  # a path the tree lacks is a file to create: it must lie inside the tree
+        if tree.check_writable(path):
+            raise InputError("not a path inside the tree (through a symlink)", path=path, field="--file")
     info = {
         "recipe": str(recipe.path.resolve()),
         "member": name,
@@ -138,7 +140,9 @@ def edit(
                     writer.write(path, data, mode)
         else:
             for path in sorted(wanted - set(changed)):
-                writer.write(path, tree.read(path) or b"", None)
+                data = tree.read(path)
+                if data is not None:
+                    writer.write(path, data, None)
         for change in overlay.changes:
             if change.after is not None:
                 writer.write(change.path, change.after, change.mode)
@@ -169,9 +173,13 @@ def refresh(recipe: Recipe, tree: Tree, name: str, workdir: Path, today: str) ->
     def base_data(path: str) -> bytes | None:
         return base[path].after if path in base else tree.read(path)
 
+    # the files in play: NAME's own, those the work directory was made with (touched by the
+    # members or named with --file), and with --full any file; never a cache an editor or a run
+    # left (__pycache__)
     present = _workdir_files(workdir)
     scope = list(dict.fromkeys([*(fp.path for fp in this.files)] if this else []))
-    scope += sorted(p for p in set(present) | set(info["files"]) if p not in scope)
+    extra = set(info["files"]) | (present if info.get("full") else set())
+    scope += sorted(p for p in extra if p not in scope)
     diffs, touched = [], []
     for path in scope:
         old = base_data(path)
@@ -245,10 +253,18 @@ def check_workdir(workdir: Path, recipe: Recipe, name: str) -> dict[str, Any]:
     return info
 
 
+def check_paths(files: list[str]) -> None:
+    """``--file`` paths: relative, inside the tree (checked before any tree is opened)."""
+    for path in files:
+        parts = path.split("/")
+        if not path or path.startswith("/") or "\0" in path or {"", ".", ".."} & set(parts):
+            raise InputError("not a path inside the tree", path=path, field="--file")
+
+
 def _workdir_files(workdir: Path) -> set[str]:
     out = set()
     for dirpath, dirnames, filenames in os.walk(workdir):
-        dirnames[:] = [d for d in dirnames if d != ".git"]
+        dirnames[:] = [d for d in dirnames if d not in (".git", "__pycache__")]
         for file in filenames:
             full = Path(dirpath, file)
             rel = full.relative_to(workdir).as_posix()

@@ -55,6 +55,7 @@ def test_new_places_a_template_in_order_keeping_the_recipe_text(project):
         (["member", "new", "Bad-Name"], "does not match [a-z0-9_]+"),
         (["member", "new", "fix", "--after", "nope"], "--after nope: the recipe has no such member"),
         (["member", "edit", "nope", "DIR"], "the recipe has no member nope"),
+        (["member", "edit", SWA, "DIR", "--file", "../escape.py"], "--file: ../escape.py: not a path inside the tree"),
         (["member", "refresh", SWA, "DIR"], "not a member work directory"),
     ],
 )
@@ -121,10 +122,23 @@ def test_new_member_edit_refresh(project, tmp_path, vllm_wheel):
     assert "vllm/envs.py" in info["files"]
     envs = workdir / "vllm" / "envs.py"
     envs.write_bytes(envs.read_bytes() + b"# a note\n")
+    # a file to create, named at edit time; a stray file and a bytecode cache are not in play
+    api.member_edit(project, "note", workdir, files=["vllm/envs.py", "vllm/notes/README.txt"])
+    assert not (workdir / "vllm" / "notes").exists()
+    envs.write_bytes(envs.read_bytes() + b"# a note\n")
+    (workdir / "vllm" / "notes").mkdir()
+    (workdir / "vllm" / "notes" / "README.txt").write_bytes(b"read me\n")
+    (workdir / "vllm" / "stray.py").write_bytes(b"x = 1\n")
+    (workdir / "vllm" / "__pycache__").mkdir(exist_ok=True)
+    (workdir / "vllm" / "__pycache__" / "envs.cpython-311.pyc").write_bytes(b"\0\1")
     result = api.member_refresh(project, "note", workdir, today=TODAY)
-    assert result.changed and result.files == ["vllm/envs.py"]
+    assert result.changed and result.files == ["vllm/envs.py", "vllm/notes/README.txt"]
     member = load_member(project.parent.parent / "overlay" / "note.patch")
-    assert [fp.path for fp in member.files] == ["vllm/envs.py"]
+    assert [(fp.old_path, fp.path) for fp in member.files] == [
+        ("vllm/envs.py", "vllm/envs.py"),
+        (None, "vllm/notes/README.txt"),
+    ]
+    assert b"new file mode 100644" in member.path.read_bytes()
     assert api.key(project) != key
     check = run_cli("check", project)
     assert check.returncode == 0, check.stdout + check.stderr

@@ -294,6 +294,28 @@ def test_moved_file_found_at_its_new_path(vllm_wheel, tmp_path):
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+def test_moved_and_changed_file_is_merged_at_its_new_path(vllm_wheel, tmp_path):
+    """Moved, and upstream changed the line next to the member's: merged at the new path, flagged."""
+    moved = "vllm/models/deepseek_v41/layers/mla_attention.py"
+    after_block = b"            packed_bytes_per_token=self.kv_bytes_per_token,\n"
+
+    def move_and_change(files):
+        data = files.pop(ATTENTION)
+        assert data.count(after_block) == 1
+        files[moved] = data.replace(after_block, b"            packed_bytes_per_token=self.swa_bytes_per_token,\n")
+
+    wheel = small_wheel(vllm_wheel, tmp_path, move_and_change)
+    result = api.rebase(DEFAULT_RECIPE, to_wheel=wheel, today=TODAY)
+    swa = row(result, SWA)
+    assert swa.status == "file moved"
+    assert swa.moved == [{"from": ATTENTION, "to": moved}]
+    assert swa.files[0] == {"file": moved, "how": "three-way merge"}
+    new = read(wheel, moved)
+    assert [(r["file"], r["line"]) for r in swa.review] == [(moved, line_of(new, b"            block_size=32,\n") + 3)]
+    patched = apply_members(WheelTree(wheel), [swa.member]).by_path()[moved].after
+    assert b"            block_size=self.swa_block_size,\n" in patched
+
+
 def test_conflict_shows_hunk_nearest_region_and_three_way_text(vllm_wheel, tmp_path):
     def change(files):
         files[ATTENTION] = files[ATTENTION].replace(b"            block_size=32,\n", b"            block_size=16,\n")

@@ -9,6 +9,8 @@ Issue 11 (the bars of issue 2, as revised):
   - key of 500 members (issue 2: < 100 ms)
 Issue 4 (bench/image.py): a member change's rebuild against a full build (<= 0.1), the overlay
 layers against the touched files' bytes (<= 64 KiB over), `plan` when nothing changed (< 0.5 s).
+Issue 15 (bench/rebase.py): the rebase report of the default overlay onto a cached newer
+wheel, warm, against 1 s.
 Issue 12: 1,000 and 8,000 hunks in one file, fresh and after an earlier member touched it:
 time(8000)/time(1000), linear ~ 8 (it was quadratic), beside the figures before the change.
 Issue 14 (bench/ci_cache.py): a member change rebuilt on an empty engine with the registry as
@@ -302,6 +304,10 @@ def main() -> None:
     from bench.gate import main as gate_bench
 
     gate_bench()
+    print()
+    from bench.rebase import main as rebase_bench
+
+    rebase_bench()
     print()
     from bench.ci_cache import main as ci_cache_bench
 

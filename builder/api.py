@@ -303,3 +303,212 @@ def launch_down(profile: Any, *, engines: Any = None) -> list[Any]:
     from builder.gate import launch_down as down
 
     return down(load_profile(profile), engines=engines)
+
+
+# ---------------------------------------------------------------- rebase and the member workflow
+
+
+@dataclass(frozen=True)
+class Rebased:
+    """A rebase report (builder.rebase): the old and new pins, one row per member in order."""
+
+    recipe: Recipe
+    new_vllm: Any  # builder.recipe.WheelPin
+    new_flashinfer: Any  # WheelPin: the new vLLM's own FlashInfer pin, or the old one (see note)
+    flashinfer_note: str  # where the FlashInfer pin was read, or why it was kept
+    rows: list[Any]  # builder.rebase.MemberRebase
+    torch: str | None = None  # the image's torch requirement for the new vLLM (its local suffix kept)
+    torch_note: str = ""
+    written: Path | None = None
+    probe: list[Any] | None = None  # builder.probe.Arm, with rebase --probe
+
+    @property
+    def conflicts(self) -> list[str]:
+        from builder.rebase import CONFLICT
+
+        return [r.name for r in self.rows if r.status == CONFLICT]
+
+    def table(self) -> str:
+        from builder.rebase import render_report
+
+        text = render_report(self.rows, f"vllm {self.recipe.vllm.version}", f"vllm {self.new_vllm.version}")
+        text += f"\nflashinfer-python {self.new_flashinfer.version}: {self.flashinfer_note}"
+        return text + (f"\ntorch {self.torch}: {self.torch_note}" if self.torch else "")
+
+    def to_json(self) -> dict[str, Any]:
+        def pin(p: Any) -> dict[str, Any]:
+            return {"version": p.version, "wheel": p.wheel, "sha256": p.sha256}
+
+        return {
+            "from": pin(self.recipe.vllm),
+            "to": pin(self.new_vllm),
+            "flashinfer": {**pin(self.new_flashinfer), "note": self.flashinfer_note},
+            "torch": {"requirement": self.torch, "note": self.torch_note},
+            "members": [r.to_json() for r in self.rows],
+            "conflicts": self.conflicts,
+            "written": None if self.written is None else str(self.written),
+        }
+
+
+def rebase(
+    recipe: RecipeLike,
+    *,
+    to: str | None = None,
+    to_wheel: str | Path | None = None,
+    write: str | Path | None = None,
+    today: str | None = None,
+    probe_argv: list[str] | None = None,
+    python: str | Path | None = None,
+    static: bool = False,
+    progress: Progress = _quiet,
+) -> Rebased:
+    """Carry the recipe's members onto ``to`` (``vllm==X.Y.Z``, fetched from the pin's index,
+    its sha256 as the index records it) or ``to_wheel`` (a wheel file); with ``write``, a new
+    recipe and the refreshed members of every member that is not a conflict go there (the
+    original recipe and members are never touched).  With ``probe_argv`` (a rank's vllm serve
+    argv), the probe's four arms run on the new tree with the members that carried, in
+    ``python`` (default: the cached probe venv of the new vLLM, built on first use), whose
+    installed vLLM must be the new tree's files."""
+    from builder import newpin
+    from builder.rebase import check_today, rebase_members, today_utc
+    from builder.tree import WheelTree
+
+    if (to is None) == (to_wheel is None):
+        raise InputError("give one of --to vllm==X.Y.Z or --to-wheel PATH", field="rebase")
+    if probe_argv is not None and not probe_argv:
+        raise InputError("rebase --probe: give the rank's vllm serve argv after '--' (e.g. -- /models/v41 -tp 4)")
+    recipe = recipe_of(recipe)
+    members = load_recipe_members(recipe)
+    new_pin = (
+        newpin.local_pin(Path(to_wheel))
+        if to_wheel is not None
+        else newpin.resolve_pin("vllm", newpin.parse_target(to), recipe.vllm)
+    )
+    destination = None
+    if write is not None:  # refused before anything is fetched
+        destination = _destination(recipe, write, "--write", "rebase --write", "rk-pending")
+    old_tree = pinned_tree(recipe.vllm)
+    progress(f"rebase: vllm {new_pin.version} ({new_pin.wheel}, sha256 {new_pin.sha256})")
+    wheel = newpin.fetch(new_pin, progress=_Stream(progress))
+    new_tree = WheelTree(wheel)
+    flashinfer, note = _new_flashinfer(recipe, wheel, to_wheel is not None, progress)
+    torch, torch_note = _new_torch(recipe, wheel)
+    rows = rebase_members(old_tree, new_tree, members, check_today(today or today_utc()))
+    result = Rebased(recipe, new_pin, flashinfer, note, rows, torch, torch_note)
+    if destination is not None:
+        from dataclasses import replace
+
+        from builder.rebase_write import write_rebased
+
+        write_rebased(destination, result)
+        progress(f"wrote the rebased recipe and {sum(r.written for r in rows)} members to {write}")
+        result = replace(result, written=Path(write))
+    if probe_argv is not None:
+        from dataclasses import replace
+
+        from builder.probe import probe as run_probe
+        from builder.probe_env import ensure_probe_venv
+
+        carried = tuple(r.member for r in rows if r.written)
+        interpreter = Path(python) if python else ensure_probe_venv(new_pin.version, progress=progress)
+        progress(f"rebase --probe: the self-test on vllm {new_pin.version} with {len(carried)} carried members")
+        result = replace(result, probe=run_probe(new_tree, carried, interpreter, probe_argv, static))
+    return result
+
+
+def _new_torch(recipe: Recipe, wheel: Path) -> tuple[str | None, str]:
+    """The image's torch requirement for the new vLLM: the version its METADATA pins, with the
+    recipe's local suffix (e.g. +cu128) kept; None when the recipe names no torch."""
+    from builder import newpin
+
+    old = recipe.image.torch
+    if old is None:
+        return None, ""
+    version, where = newpin.metadata_pin(wheel, "torch")
+    if version is None:
+        return old, f"kept: {where}"
+    suffix = old.partition("+")[2]
+    new = version + (f"+{suffix}" if suffix else "")
+    return new, ("unchanged, " if new == old else f"was {old}; ") + f"{where} pins torch=={version}"
+
+
+class _Stream:
+    """A file-like progress for builder.pin's download lines."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+
+    def write(self, text: str) -> None:
+        if text.strip():
+            self.progress(text.rstrip("\n"))
+
+    def flush(self) -> None:
+        pass
+
+
+def _new_flashinfer(recipe: Recipe, wheel: Path, local: bool, progress: Progress) -> tuple[Any, str]:
+    """The FlashInfer pin the new vLLM's METADATA names, fetched and verified; or the old pin,
+    and why."""
+    from builder import newpin
+
+    version, where = newpin.metadata_flashinfer(wheel)
+    if version is None:
+        return recipe.flashinfer, f"kept the old pin: {where}"
+    if version == recipe.flashinfer.version:
+        return recipe.flashinfer, f"unchanged, as {where} pins it"
+    if local and recipe.flashinfer.path is not None:
+        return recipe.flashinfer, f"kept the old local pin: {where} pins {version}"
+    pin = newpin.resolve_pin("flashinfer-python", version, recipe.flashinfer)
+    newpin.fetch(pin, progress=_Stream(progress))
+    return pin, f"pinned by {where}; sha256 from {pin.index}"
+
+
+def member_new(recipe: str | Path, name: str, *, after: str | None = None, today: str | None = None) -> Path:
+    """overlay/NAME.patch with a header template (no diff yet), placed in the recipe's members
+    after ``after`` (default: last); the recipe's other text and comments are kept."""
+    import getpass
+
+    from builder.rebase import check_today, today_utc
+    from builder.workdir import new_member
+
+    author = f"{getpass.getuser()} <{getpass.getuser()}@localhost>"
+    return new_member(recipe, name, after, check_today(today or today_utc()), author)
+
+
+def member_edit(
+    recipe: RecipeLike,
+    name: str,
+    out: str | Path,
+    *,
+    files: list[str] | tuple[str, ...] = (),
+    full: bool = False,
+    progress: Progress = _quiet,
+) -> dict[str, Any]:
+    """A work directory: the pinned tree with the members up to and including NAME applied;
+    only the files those members touch and ``files`` (``full``: every file)."""
+    from builder.workdir import check_member, check_paths, edit
+
+    recipe = recipe_of(recipe)
+    check_member(recipe, name)  # before the tree is opened (or fetched)
+    check_paths(list(files))
+    try:  # the marker records the recipe's key; a member without a diff yet has none
+        runtime = _keyed(recipe)[2]
+    except InputError:
+        runtime = "none (a member has no diff yet)"
+    destination = _destination(recipe, out, "DIR", f"member edit {name}", runtime)
+    tree = pinned_tree(recipe.vllm)
+    info = edit(recipe, tree, name, destination, list(files), full, runtime)
+    progress(f"wrote {'the full tree' if full else str(len(info['files'])) + ' files'} for {name} to {out}")
+    return info
+
+
+def member_refresh(recipe: RecipeLike, name: str, workdir: str | Path, *, today: str | None = None) -> Any:
+    """NAME's diff regenerated from the work directory (its header kept, Last-Update set);
+    refused, naming them, when later members would no longer apply (builder.workdir.Refreshed)."""
+    from builder.rebase import check_today, today_utc
+    from builder.workdir import check_member, check_workdir, refresh
+
+    recipe = recipe_of(recipe)
+    check_member(recipe, name)
+    check_workdir(Path(workdir), recipe, name)  # before the tree is opened (or fetched)
+    return refresh(recipe, pinned_tree(recipe.vllm), name, Path(workdir), check_today(today or today_utc()))

@@ -16,7 +16,7 @@ import shlex
 import sys
 import traceback
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from builder import api
 from builder.errors import InputError, OverlayError
@@ -222,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = actions.add_parser(name, help=text, description=text)
         p.add_argument("profile", help="launch profile YAML")
         p.set_defaults(func=func)
+    add_rebase_commands(sub)
+    add_member_commands(sub)
     return parser
 
 
@@ -262,3 +264,106 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return INTERNAL_ERROR
+
+
+# ---------------------------------------------------------------- rebase and the member workflow
+
+
+def cmd_rebase(args: argparse.Namespace) -> int:
+    from builder.probe import render_arms
+
+    if args.serve_argv and not args.probe:
+        raise InputError("an argv after '--' is for --probe", field="rebase")
+    result = api.rebase(
+        args.recipe,
+        to=args.to,
+        to_wheel=args.to_wheel,
+        write=args.write,
+        probe_argv=args.serve_argv if args.probe else None,
+        python=args.python,
+        static=args.static,
+        progress=api.stderr_progress,
+    )
+    if args.json:
+        data = result.to_json()
+        if result.probe is not None:
+            data["probe"] = [
+                {"tree": a.tree, "argv": a.argv, "routes": a.run.routes, "verdict": a.run.verdict} for a in result.probe
+            ]
+        print(json.dumps(data, indent=2))
+    else:
+        print(result.table())
+        if result.probe is not None:
+            print()
+            print(render_arms(result.probe))
+    return 1 if result.conflicts else 0  # the probe's table informs, as the probe command's does
+
+
+def add_rebase_commands(sub: Any) -> None:
+    p = sub.add_parser(
+        "rebase",
+        help="carry the members onto a newer vLLM: a per-member report, and with --write a new recipe",
+        description="carry the members onto a newer vLLM: a per-member report, and with --write a new recipe",
+    )
+    p.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE, help=f"recipe YAML (default {DEFAULT_RECIPE})")
+    to = p.add_mutually_exclusive_group(required=True)
+    to.add_argument("--to", metavar="vllm==X.Y.Z", help="the new vLLM release (fetched from the pin's index)")
+    to.add_argument("--to-wheel", metavar="PATH", help="a vLLM wheel file on this machine")
+    p.add_argument("--write", metavar="DIR", help="write the new recipe and the refreshed members here")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--probe", action="store_true", help="then run the probe (the self-test's table) on the new tree; argv after --"
+    )
+    p.add_argument("--python", metavar="PY", help="with --probe: an interpreter where the new vLLM is importable")
+    p.add_argument("--static", action="store_true", help="with --probe: judge on the static checks alone")
+    p.set_defaults(func=cmd_rebase)
+
+
+def cmd_member_new(args: argparse.Namespace) -> int:
+    path = api.member_new(args.recipe, args.name, after=args.after)
+    print(path)
+    api.stderr_progress(f"edit its header, then: vllm-overlay member edit {args.name} DIR --recipe {args.recipe}")
+    return 0
+
+
+def cmd_member_edit(args: argparse.Namespace) -> int:
+    info = api.member_edit(
+        args.recipe, args.name, args.dir, files=args.file or (), full=args.full, progress=api.stderr_progress
+    )
+    for path in info["files"]:
+        print(path)
+    return 0
+
+
+def cmd_member_refresh(args: argparse.Namespace) -> int:
+    result = api.member_refresh(args.recipe, args.name, args.dir)
+    verb = "refreshed" if result.changed else "unchanged"
+    print(f"{verb} {result.name}: {', '.join(result.files)}")
+    return 0
+
+
+def add_member_commands(sub: Any) -> None:
+    member = sub.add_parser(
+        "member",
+        help="the member workflow: new, edit in a work directory, refresh",
+        description="the member workflow: new, edit in a work directory, refresh",
+    )
+    actions = member.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    def action(name: str, func: Any, text: str) -> argparse.ArgumentParser:
+        p = actions.add_parser(name, help=text, description=text)
+        p.add_argument("name", help="the member's name")
+        p.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"recipe YAML (default {DEFAULT_RECIPE})")
+        p.set_defaults(func=func)
+        return p
+
+    p = action("new", cmd_member_new, "write overlay/NAME.patch (a header template) and place it in the recipe")
+    p.add_argument("--after", metavar="OTHER", help="place it after this member (default: last)")
+    p = action("edit", cmd_member_edit, "a work directory: the pinned tree with the members up to NAME applied")
+    p.add_argument("dir", metavar="DIR", help="the work directory (made, or replaced if an earlier one)")
+    p.add_argument(
+        "--file", action="append", metavar="PATH", help="a tree path to include too, or a file to create (repeatable)"
+    )
+    p.add_argument("--full", action="store_true", help="every file of the tree, not only the touched ones")
+    p = action("refresh", cmd_member_refresh, "regenerate NAME's diff from its work directory")
+    p.add_argument("dir", metavar="DIR", help="the work directory member edit made")

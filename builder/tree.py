@@ -101,6 +101,10 @@ class WheelTree:
                     return f"{prefix} is a symlink to {target}, outside the tree"
         return None
 
+    def paths(self) -> list[str]:
+        """Every regular file's path, nothing read."""
+        return [n for n, i in self._infos.items() if not i.is_dir() and not self._is_symlink(i)]
+
     def walk(self) -> Iterator[tuple[str, bytes, int]]:
         for name, info in self._infos.items():
             if info.is_dir() or self._is_symlink(info):
@@ -158,6 +162,17 @@ class DirTree:
                 if resolved != self.root and self.root not in resolved.parents:
                     return f"{prefix} is a symlink to {os.readlink(full)}, outside the tree"
         return None
+
+    def paths(self) -> list[str]:
+        """Every regular file's path, nothing read."""
+        out = []
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = sorted(d for d in dirnames if d != ".git")
+            for name in sorted(filenames):
+                full = Path(dirpath, name)
+                if not full.is_symlink() and full.is_file():
+                    out.append(full.relative_to(self.root).as_posix())
+        return out
 
     def walk(self) -> Iterator[tuple[str, bytes, int]]:
         for dirpath, dirnames, filenames in os.walk(self.root):

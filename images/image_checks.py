@@ -7,6 +7,8 @@
     finish MANIFEST                          stale .pyc and deletions removed, then every
                                              after-hash checked where it was installed
     report                                   torch's CUDA version and nvcc's, as JSON (for labels)
+    install LOCK [PIP OPTIONS...]            every file of the lock downloaded with its sha256 required,
+                                             then installed as it is (no index, no resolution)
 
 Any mismatch prints one line naming the file and exits 1, which stops the build.
 """
@@ -170,10 +172,38 @@ def cmd_finish(manifest_path):
           + manifest["runtime_key"] + ")")
 
 
+def cmd_install(lock, *pip_options):
+    # A minimal install for branch lock's tests; the cuda branch's install replaces it.
+    import shutil
+    import tempfile
+
+    work = tempfile.mkdtemp(prefix="vllm-overlay-wheels-")
+    download = [sys.executable, "-m", "pip", "download", "--require-hashes", "--no-deps", "--only-binary", ":all:",
+                "-r", lock, "-d", work] + list(pip_options)
+    print("vllm-overlay: " + " ".join(download[2:]), flush=True)
+    proc = subprocess.run(download, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+    said = proc.stdout.decode(errors="replace")
+    print(said, flush=True)
+    if proc.returncode != 0:
+        m = re.search(r"from (\S+?):?\n\s+Expected sha256 (\w+)\n\s+Got\s+(\w+)", said)
+        if m:
+            name = m.group(1).split("#")[0].rsplit("/", 1)[-1]
+            fail(name + ": sha256 " + m.group(3) + " is not the one " + lock + " names (" + m.group(2) + ")")
+        lines = [ln.strip() for ln in said.splitlines() if ln.strip()]
+        fail("pip download from " + lock + " failed: " + (lines[-1] if lines else "no output"))
+    files = sorted(os.listdir(work))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps"]
+                   + [os.path.join(work, f) for f in files], check=True)
+    installed = [{"file": f, "sha256": sha256_of(os.path.join(work, f))} for f in files]
+    with open("/opt/vllm-overlay/installed-wheels.json", "w", encoding="utf-8") as out:
+        json.dump({"lock": lock, "wheels": installed}, out, indent=1)
+    shutil.rmtree(work)
+
+
 def cmd_report():
     print(json.dumps({"torch_cuda": torch_cuda() or "none", "nvcc": nvcc_version() or "none"}))
 
 
 if __name__ == "__main__":
     command, args = sys.argv[1], sys.argv[2:]
-    {"pins": cmd_pins, "stage": cmd_stage, "finish": cmd_finish, "report": cmd_report}[command](*args)
+    {"pins": cmd_pins, "stage": cmd_stage, "finish": cmd_finish, "report": cmd_report, "install": cmd_install}[command](*args)

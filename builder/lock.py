@@ -168,25 +168,28 @@ def read_lock(recipe: Recipe) -> Lock | None:
 
 def image_lock(recipe: Recipe) -> Lock | None:
     """The lock the image installs from: mode cuda needs its lock or image.unlocked, one of
-    them; mode vllm installs nothing and has neither."""
-    lock = read_lock(recipe)
-    run = f"vllm-overlay lock {recipe.path}"
+    them; mode vllm installs nothing and has neither.  The rule is told before the lock is read."""
+    path = lock_path(recipe)
+    present = os.path.lexists(path)
     if recipe.image.mode != "cuda":
-        if lock is not None:
-            raise InputError(f"mode vllm installs nothing, so {lock.path} is never used: remove it", file=recipe.path)
+        if present:
+            raise InputError(f"mode vllm installs nothing, so {path} is never used: remove it", file=recipe.path)
         return None
-    if lock is not None and recipe.image.unlocked:
+    if present and recipe.image.unlocked:
         raise InputError(
-            f"the recipe has its lock {lock.path}: remove image.unlocked (or the lock)",
+            f"the recipe has its lock {path}: remove image.unlocked (or the lock)",
             file=recipe.path,
             field="image.unlocked",
         )
-    if lock is None and not recipe.image.unlocked:
+    if not present and not recipe.image.unlocked:
         raise InputError(
-            f"no lock {lock_path(recipe)}: run `{run}` (or, if its indexes cannot be reached, "
+            f"no lock {path}: run `vllm-overlay lock {recipe.path}` (or, if its indexes cannot be reached, "
             "set image.unlocked: <why>)",
             file=recipe.path,
         )
+    lock = read_lock(recipe) if present else None
+    if present and lock is None:  # a dangling symlink
+        raise InputError("cannot read the lock: it points to no file", file=path)
     return lock
 
 
@@ -230,7 +233,7 @@ def lock_problem(recipe: Recipe, lock: Lock | None) -> str | None:
 
 def lock_report(recipe: Recipe) -> str | None:
     """For check: what is wrong with the recipe's lock file, if it has one (mode cuda)."""
-    if recipe.image.mode != "cuda" or not lock_path(recipe).exists():
+    if recipe.image.mode != "cuda" or not os.path.lexists(lock_path(recipe)):
         return None
     return lock_problem(recipe, image_lock(recipe))
 

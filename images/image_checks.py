@@ -185,9 +185,9 @@ def cmd_install(lock, *pip_options):
     said = proc.stdout.decode(errors="replace")
     print(said, flush=True)
     if proc.returncode != 0:
-        m = re.search(r"from (\S+?):?\n\s+Expected sha256 (\w+)\n\s+Got\s+(\w+)", said)
+        m = re.search(r" from (\S+)[^\n]*\n\s+Expected sha256 (\w+)\n\s+Got\s+(\w+)", said)
         if m:
-            name = m.group(1).split("#")[0].rsplit("/", 1)[-1]
+            name = m.group(1).rstrip(":").split("#")[0].rsplit("/", 1)[-1]
             fail(name + ": sha256 " + m.group(3) + " is not the one " + lock + " names (" + m.group(2) + ")")
         lines = [ln.strip() for ln in said.splitlines() if ln.strip()]
         fail("pip download from " + lock + " failed: " + (lines[-1] if lines else "no output"))

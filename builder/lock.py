@@ -334,7 +334,9 @@ def _failure(recipe: Recipe, said: list[str]) -> Exception:
             f"lock: {what} {source} cannot be reached ({cause[-1] if cause else 'no answer'}); nothing written",
             file=recipe.path,
         )
-    error = [line.strip() for line in said if line.strip() and not line.startswith("warning:")]
+    first = next((i for i, line in enumerate(said) if line.startswith("error:")), 0)
+    error = [re.sub(r"^(error|cause|hint): ", "", line.strip()) for line in said[first:] if line.strip()]
     return CheckFailed(
-        f"lock: uv could not resolve the requirements: {' '.join(error) or 'no reason given'}", file=recipe.path
+        f"lock: uv could not resolve the requirements: {'; '.join(error) or 'no reason given'}; nothing written",
+        file=recipe.path,
     )

@@ -145,6 +145,15 @@ def test_unreachable_index_is_one_line_exit_3_and_writes_nothing(services, tmp_p
     assert {p.name for p in tmp_path.iterdir()} == {"recipe.yaml", lock.name}
 
 
+def test_requirements_the_index_cannot_meet_are_one_line_exit_1(services, tmp_path):
+    recipe = write_recipe_copy(tmp_path / "recipe.yaml", services, repository("unmet"), unlocked="not yet")
+    edit(recipe, lambda d: d["flashinfer"].update(version="0.6.18", wheel="flashinfer_python-0.6.18-py3-none-any.whl"))
+    line = one_line(run_cli("lock", recipe), 1)
+    assert line.startswith(f"vllm-overlay: {recipe}: lock: uv could not resolve the requirements: ")
+    assert "flashinfer-python==0.6.18" in line and line.endswith("; nothing written")
+    assert not lock_of(recipe).exists()
+
+
 def test_mode_vllm_has_nothing_to_lock(services, tmp_path):
     recipe = write_gate_recipe(tmp_path / "recipe.yaml", services, repository("gate"))
     assert not lock_of(recipe).exists()  # the gate's recipes need no lock

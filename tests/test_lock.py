@@ -14,6 +14,7 @@ import io
 import json
 import re
 import socket
+import subprocess
 import tarfile
 import urllib.parse
 import urllib.request
@@ -301,6 +302,8 @@ def test_image_installs_from_the_lock(services, client, vllm_wheel, tmp_path):
     key = ok("dockerfile", recipe, "--out", context).strip()
     assert image.labels["io.vllm-overlay.image-key"] == key
     assert (context / "requirements.lock").read_bytes() == lock.read_bytes()
+    lint = subprocess.run(["hadolint", str(context / "Dockerfile")], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr  # the locked install step lints clean too
     lock.write_text(lock.read_text() + "# a note\n")
     assert ok("dockerfile", recipe, "--out", context).strip() != key
 

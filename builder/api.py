@@ -63,9 +63,14 @@ def key(recipe: RecipeLike) -> str:
 
 
 def check(recipe: RecipeLike) -> CheckReport:
-    """Whether each member applies to the unpatched pinned tree, and how (``report.ok``)."""
-    _, members, tree = _loaded(recipe)
-    return check_overlay(tree, members)
+    """Whether each member applies to the unpatched pinned tree, and how (``report.ok``); and
+    whether the recipe's lock, if it has one, still matches it (``report.lock``)."""
+    from builder.lock import lock_report
+
+    recipe, members, tree = _loaded(recipe)
+    report = check_overlay(tree, members)
+    report.lock = lock_report(recipe)
+    return report
 
 
 @dataclass(frozen=True)
@@ -145,14 +150,19 @@ class Context:
 def render(recipe: RecipeLike, *, out: str | Path | None = None) -> Context:
     """The image build context (Dockerfile, checks script, manifest, overlay files);
     with ``out``, written there (replacing an earlier context whole)."""
+    from builder.errors import CheckFailed
+    from builder.lock import lock_problem
     from builder.output import write_files
     from builder.render import context_files, render_image
 
     recipe, members, runtime = _keyed(recipe)
     destination = None if out is None else _destination(recipe, out, "--out", "dockerfile --out", runtime)
+    rendered = render_image(recipe, runtime)  # reads the lock: refused here, before the tree is fetched
+    stale = lock_problem(recipe, rendered.lock)
+    if stale:
+        raise CheckFailed(f"not rendering from a stale lock: {stale}")
     tree = pinned_tree(recipe.vllm)
     applied = Applied(recipe, tree, apply_members(tree, members), runtime)
-    rendered = render_image(applied.recipe, applied.key)
     context = Context(applied.recipe, rendered, context_files(rendered, applied.overlay, applied.manifest()))
     if destination is not None:
         write_files(destination, context.files)
@@ -170,10 +180,22 @@ def build_image(recipe: RecipeLike, *, push: bool = False, progress: Progress = 
 
 def plan(recipe: RecipeLike) -> Any:
     """For CI: rebuild or up to date, from the keys alone (builder.plan.Plan)."""
+    from dataclasses import replace
+
+    from builder.lock import image_lock, lock_problem
     from builder.plan import plan as plan_keys
 
     recipe = recipe_of(recipe)
-    return plan_keys(recipe, load_recipe_members(recipe))
+    result = plan_keys(recipe, load_recipe_members(recipe))
+    return replace(result, lock=lock_problem(recipe, image_lock(recipe)))
+
+
+def lock(recipe: RecipeLike, *, progress: Progress = _quiet) -> Any:
+    """Resolve the image's whole package set with uv (for the image's platform, from the recipe's
+    indexes; nothing installed) and write ``<recipe dir>/<name>.lock`` (builder.lock.Lock)."""
+    from builder.lock import make_lock
+
+    return make_lock(recipe_of(recipe), progress)
 
 
 def probe(

@@ -36,10 +36,11 @@ class CheckReport:
     members: list[MemberCheck]
     standalone: list[MemberCheck]
     shared_files: list[dict[str, Any]]
+    lock: str | None = None  # why the recipe's lock no longer matches it (builder.lock.lock_report)
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.members + self.standalone)
+        return all(c.ok for c in self.members + self.standalone) and self.lock is None
 
     def to_json(self) -> dict[str, Any]:
         def one(c: MemberCheck) -> dict[str, Any]:
@@ -50,6 +51,7 @@ class CheckReport:
             "members": [one(c) for c in self.members],
             "standalone": [one(c) for c in self.standalone],
             "shared_files": self.shared_files,
+            "lock": self.lock,
         }
 
 
@@ -162,7 +164,10 @@ def render_table(report: CheckReport) -> str:
         )
         out.append(f"shared file {shared['file']}: {', '.join(shared['members'])}: {verdict}")
     out.append("")
-    out.append("overlay check: OK" if report.ok else "overlay check: FAILED")
+    members_ok = all(c.ok for c in report.members + report.standalone)
+    out.append("overlay check: OK" if members_ok else "overlay check: FAILED")
+    if report.lock:  # the members may all apply: the one line says what else failed
+        out.append(f"stale lock: {report.lock}")
     return "\n".join(out)
 
 

@@ -76,6 +76,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lock(args: argparse.Namespace) -> int:
+    lock = api.lock(args.recipe, progress=api.stderr_progress)
+    print(lock.path)
+    return 0
+
+
 def cmd_members(args: argparse.Namespace) -> int:
     members = api.generated_members(args.recipe, write=not args.check)
     if not members:
@@ -180,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("image", cmd_image, "build the recipe's image (unless one with its key exists), tag it, record it")
     p.add_argument("--push", action="store_true", help="push the rk-, ik- and recipe-name tags")
     command("plan", cmd_plan, "for CI: rebuild or up-to-date, from the keys, the produced rows and the registry")
+    command("lock", cmd_lock, "resolve the image's packages with uv (every file by sha256) into <recipe name>.lock")
     p = command("members", cmd_members, "write each member made from a source file (overlay/<name>.py) from it")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if any is out of date")
 

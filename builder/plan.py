@@ -23,13 +23,14 @@ class Plan:
     runtime_key: str
     image_key: str
     reason: str
+    lock: str | None = None  # why the recipe's lock no longer matches it (builder.lock.lock_problem)
 
     def lines(self) -> list[str]:
         return [
             f"{'rebuild' if self.rebuild else 'up-to-date'}: {self.reason}",
             f"runtime key {self.runtime_key}",
             f"image key   {self.image_key}",
-        ]
+        ] + ([f"stale lock: {self.lock}"] if self.lock else [])
 
 
 def plan(recipe: Recipe, members: tuple[Member, ...]) -> Plan:

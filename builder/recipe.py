@@ -89,6 +89,7 @@ class ImageSettings:
     pip: PipSettings = PipSettings()
     vllm_wheel: VllmWheelSource | None = None
     accept_cuda_mismatch: str | None = None  # why a CUDA major mismatch is acceptable
+    unlocked: str | None = None  # why the install has no lock (mode cuda: else <name>.lock beside the recipe)
 
     @property
     def base_digest(self) -> str | None:
@@ -202,6 +203,7 @@ RECIPE_SCHEMA = _mapping(
                         required=False,
                     ),
                     "accept_cuda_mismatch": _Field(_REASON, required=False),
+                    "unlocked": _Field(_REASON, required=False),
                 }
             )
         ),
@@ -257,6 +259,12 @@ def _image(data: dict[str, Any], path: Path) -> ImageSettings:
                 "give sha256, or (only if it cannot be had yet) unverified: <why>", file=path, field="image.vllm_wheel"
             )
         data["vllm_wheel"] = VllmWheelSource(**wheel)
+    if "unlocked" in data and data.get("mode") == "vllm":
+        raise InputError(
+            "mode vllm installs nothing, so there is no lock to go without: remove it",
+            file=path,
+            field="image.unlocked",
+        )
     return ImageSettings(**data)
 
 

@@ -18,11 +18,13 @@ import subprocess
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
 from builder.apply import OverlaySet
 from builder.key import short_key
+from builder.lock import image_lock
 from builder.output import MANIFEST, manifest_bytes
 from builder.recipe import URL_RE, Recipe
 
@@ -33,6 +35,7 @@ IMAGE_KEY_FORMAT = 1
 PLACEHOLDER = "@@"
 # Where the image's FlashInfer keeps its JIT builds (FLASHINFER_WORKSPACE_BASE); a launch mounts a volume here.
 FLASHINFER_WORKSPACE = "/var/cache/flashinfer"
+LOCK_IN_CONTEXT = "requirements.lock"  # the recipe's lock, as the build context holds it
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class RenderedImage:
     dockerfile: str
     image_key: str
     runtime_key: str
+    lock: Any = None  # builder.lock.Lock the image installs from; None: unlocked, or mode vllm
 
     @property
     def short_image_key(self) -> str:
@@ -51,7 +55,7 @@ def python_in_image(recipe: Recipe) -> str:
     return "python" if recipe.image.mode == "cuda" else f"python{recipe.image.python}"
 
 
-def pip_options(recipe: Recipe) -> str:
+def _index_options(recipe: Recipe) -> list[str]:
     pip = recipe.image.pip
     opts = ["--index-url", pip.index_url]
     for url in pip.extra_index_urls:
@@ -60,12 +64,21 @@ def pip_options(recipe: Recipe) -> str:
         opts += ["--find-links", url]
     for host in pip.trusted_hosts:
         opts += ["--trusted-host", host]
-    if pip.no_deps:
-        opts.append("--no-deps")
+    return opts
+
+
+def index_options(recipe: Recipe) -> str:
+    """Where pip finds the locked files (the locked install never resolves: no --no-deps needed)."""
+    return " ".join(shlex.quote(o) for o in _index_options(recipe))
+
+
+def pip_options(recipe: Recipe) -> str:
+    opts = _index_options(recipe) + (["--no-deps"] if recipe.image.pip.no_deps else [])
     return " ".join(shlex.quote(o) for o in opts)
 
 
-def requirements(recipe: Recipe) -> str:
+def requirement_list(recipe: Recipe) -> list[str]:
+    """What the image installs, as pip requirements: the unlocked install line and the lock's input."""
     wheel = recipe.image.vllm_wheel
     if wheel is None:
         vllm = f"vllm=={recipe.vllm.version}"
@@ -74,7 +87,11 @@ def requirements(recipe: Recipe) -> str:
     reqs = [vllm, f"flashinfer-python=={recipe.flashinfer.version}"]
     if recipe.image.torch:
         reqs.append(f"torch=={recipe.image.torch}")
-    return " ".join(shlex.quote(r) for r in reqs)
+    return reqs
+
+
+def requirements(recipe: Recipe) -> str:
+    return " ".join(shlex.quote(r) for r in requirement_list(recipe))
 
 
 def _template() -> jinja2.Template:
@@ -83,7 +100,13 @@ def _template() -> jinja2.Template:
 
 
 def _render(
-    template: jinja2.Template, recipe: Recipe, runtime_key: str, image_key: str, revision: str, source: str
+    template: jinja2.Template,
+    recipe: Recipe,
+    runtime_key: str,
+    image_key: str,
+    revision: str,
+    source: str,
+    lock: Any,
 ) -> str:
     try:
         return template.render(
@@ -92,7 +115,10 @@ def _render(
             image=recipe.image,
             python=python_in_image(recipe),
             pip_options=pip_options(recipe),
+            index_options=index_options(recipe),
             requirements=requirements(recipe),
+            lock=lock,
+            lock_file=LOCK_IN_CONTEXT,
             runtime_key=runtime_key,
             short_key=short_key(runtime_key),
             image_key=image_key,
@@ -104,7 +130,7 @@ def _render(
         raise RuntimeError(f"{TEMPLATE}: {exc}") from exc
 
 
-def image_key_material(recipe: Recipe, runtime_key: str, skeleton: str) -> bytes:
+def image_key_material(recipe: Recipe, runtime_key: str, skeleton: str, lock: Any = None) -> bytes:
     image = recipe.image
     lines = [
         f"vllm-overlay-image-key {IMAGE_KEY_FORMAT}",
@@ -120,19 +146,24 @@ def image_key_material(recipe: Recipe, runtime_key: str, skeleton: str) -> bytes
         f"dockerfile sha256:{hashlib.sha256(skeleton.encode()).hexdigest()}",
         f"checks sha256:{hashlib.sha256(CHECKS.read_bytes()).hexdigest()}",
     ]
+    if image.mode == "cuda":  # what the install step installs from
+        lines.append(f"lock sha256:{lock.sha256}" if lock is not None else f"unlocked {image.unlocked}")
     return ("\n".join(lines) + "\n").encode()
 
 
 def render_image(recipe: Recipe, runtime_key: str, revision: str | None = None) -> RenderedImage:
+    """The Dockerfile and its image key.  Mode cuda reads the recipe's lock (or its image.unlocked);
+    whether the lock still matches the recipe is the caller's to ask (builder.lock.lock_problem)."""
+    lock = image_lock(recipe)
     template = _template()
-    skeleton = _render(template, recipe, runtime_key, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER)
-    image_key = "ik-" + hashlib.sha256(image_key_material(recipe, runtime_key, skeleton)).hexdigest()
+    skeleton = _render(template, recipe, runtime_key, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER, lock)
+    image_key = "ik-" + hashlib.sha256(image_key_material(recipe, runtime_key, skeleton, lock)).hexdigest()
     if revision is None:
         revision, source = _git("rev-parse", "HEAD") or "unknown", recipe.image.source or _origin_url()
     else:
         source = recipe.image.source or ""
-    dockerfile = _render(template, recipe, runtime_key, image_key, revision, source)
-    return RenderedImage(dockerfile, image_key, runtime_key)
+    dockerfile = _render(template, recipe, runtime_key, image_key, revision, source, lock)
+    return RenderedImage(dockerfile, image_key, runtime_key, lock)
 
 
 def _git(*args: str) -> str | None:
@@ -157,6 +188,8 @@ def context_files(rendered: RenderedImage, overlay: OverlaySet, manifest_data: d
         CHECKS.name: CHECKS.read_bytes(),
         MANIFEST: manifest_bytes(manifest_data),
     }
+    if rendered.lock is not None:
+        files[LOCK_IN_CONTEXT] = rendered.lock.data
     for change in overlay.changes:
         if change.after is not None:
             files[f"overlay/{change.path}"] = change.after

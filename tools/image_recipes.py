@@ -5,6 +5,11 @@ local one, without dependencies: the CUDA closure is several GB), the
 CUDA-mismatch acceptance and the repository changed.  The default recipe's
 install sources outside the index (vLLM's +cu128 wheel URL on GitHub, the
 cu128 torch) cannot be reached from here; the index override replaces them.
+
+A recipe in mode cuda is locked against the local index by a real
+`vllm-overlay lock` run (api.lock: uv, the two pinned wheels and their sha256,
+with no_deps: the index serves those two wheels only), and its default
+``unlocked`` reason is dropped; pass ``unlocked=<reason>`` to keep it unlocked.
 """
 
 from __future__ import annotations
@@ -37,10 +42,21 @@ def cli_env(services: dict[str, str], produced: Path, **extra: str) -> dict[str,
 
 
 def write_recipe_copy(
-    path: Path, services: dict[str, str], repo: str, *, overlay: Path = ROOT / "overlay", **image: object
+    path: Path,
+    services: dict[str, str],
+    repo: str,
+    *,
+    overlay: Path = ROOT / "overlay",
+    name: str | None = None,
+    **image: object,
 ) -> Path:
-    """The default recipe, pointed at the services; ``image`` overrides more (None removes a key)."""
+    """The default recipe, pointed at the services, and locked in mode cuda; ``image`` overrides
+    more (None removes a key), ``name`` the recipe's name."""
+    from builder import api
+
     data = yaml.safe_load(DEFAULT_RECIPE.read_text())
+    if name is not None:
+        data["name"] = name
     settings = data["image"]
     settings.update(
         base=services["VLLM_OVERLAY_TEST_BASE_IMAGE"],
@@ -51,6 +67,7 @@ def write_recipe_copy(
     )
     settings.pop("torch", None)
     settings.pop("vllm_wheel", None)
+    settings.pop("unlocked", None)
     for key, value in image.items():
         if value is None:
             settings.pop(key, None)
@@ -59,6 +76,8 @@ def write_recipe_copy(
     data["overlay"] = str(overlay)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
+    if settings.get("mode", "cuda") == "cuda" and "unlocked" not in settings:
+        api.lock(path)
     return path
 
 

@@ -253,16 +253,13 @@ def header(recipe: Recipe) -> bytes:
 def uv_command(recipe: Recipe) -> list[str]:
     import uv
 
+    from builder.render import index_option_list
+
     pip = recipe.image.pip
     command = [uv.find_uv_bin(), "pip", "compile", "requirements.in"]
     command += ["--python-platform", PLATFORM, "--python-version", recipe.image.python]
-    command += ["--generate-hashes", "--index-strategy", INDEX_STRATEGY, "--index-url", pip.index_url]
-    for url in pip.extra_index_urls:
-        command += ["--extra-index-url", url]
-    for url in pip.find_links:
-        command += ["--find-links", url]
-    for host in pip.trusted_hosts:
-        command += ["--allow-insecure-host", host]
+    command += ["--generate-hashes", "--index-strategy", INDEX_STRATEGY]
+    command += index_option_list(recipe, trusted_host_flag="--allow-insecure-host")
     if pip.no_deps:
         command.append("--no-deps")
     # Wheels only: no sdist is built to read its metadata (by this machine's Python, not the image's)

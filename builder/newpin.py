@@ -9,14 +9,13 @@ line (the new wheel's METADATA), never a guess.
 
 from __future__ import annotations
 
-import json
 import re
 import zipfile
 from pathlib import Path
 from typing import TextIO
 
-from builder.errors import InputError, ServiceUnreachable
-from builder.pin import INDEX_PAGE_LIMIT, TIMEOUT, pinned_wheel, sha256_file
+from builder.errors import InputError
+from builder.pin import index_files, pinned_wheel, sha256_file
 from builder.recipe import VERSION_RE, WHEEL_NAME_RE, WheelPin
 
 _REQUIREMENT_RE = re.compile(r"vllm==(\S+)")
@@ -28,28 +27,6 @@ def parse_target(text: str) -> str:
     if not match or not VERSION_RE.fullmatch(match.group(1)):
         raise InputError(f"expected vllm==X.Y.Z (an exact version), got {text!r}", field="--to")
     return match.group(1)
-
-
-def index_files(project: str, index: str) -> list[dict]:
-    """The file entries of ``project``'s PEP 691 page on ``index``."""
-    import http.client
-    import urllib.error
-    import urllib.request
-
-    page = f"{index.rstrip('/')}/{project}/"
-    req = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    try:
-        with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
-            body = resp.read(INDEX_PAGE_LIMIT + 1)
-    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
-        raise ServiceUnreachable(f"cannot read the package index {page}: {exc}", field=project) from None
-    try:
-        if len(body) > INDEX_PAGE_LIMIT:
-            raise ValueError("too large")
-        files = json.loads(body)["files"]
-        return [f for f in files if isinstance(f, dict) and isinstance(f.get("filename"), str)]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ServiceUnreachable(f"the package index {page} answered with no PEP 691 page: {exc}") from None
 
 
 def _tags(wheel: str) -> str:
@@ -64,7 +41,7 @@ def resolve_pin(project: str, version: str, like: WheelPin, index: str | None = 
     tags = _tags(like.wheel)
     stem = like.wheel.split("-")[0]
     wanted = f"{stem}-{version}-{tags}.whl"
-    entries = [f for f in index_files(project, index) if f["filename"] == wanted]
+    entries = [f for f in index_files(project, index)[1] if f["filename"] == wanted]
     if not entries:
         raise InputError(f"{project} {version}: the index {index} lists no {wanted}", field="--to")
     digest = (entries[0].get("hashes") or {}).get("sha256")

@@ -98,31 +98,41 @@ def _expect(pin: WheelPin, actual: str, where: str) -> None:
         raise InputError(f"{where} has sha256 {actual}, the pin says {pin.sha256}", field=f"{pin.project}.sha256")
 
 
-def resolve_from_index(pin: WheelPin) -> tuple[str, int | None]:
-    """The wheel's URL in a PEP 691 (JSON) simple index, and its size when the index
-    declares one (PEP 700): the download may not exceed it."""
+def index_files(project: str, index: str) -> tuple[str, list[dict]]:
+    """The page URL and the file entries of ``project``'s PEP 691 (JSON) page on ``index``."""
     import http.client  # network modules only when the network is used: they cost 15 ms to import
     import urllib.error
-    import urllib.parse
     import urllib.request
 
-    base = pin.index.rstrip("/")
-    page = f"{base}/{pin.project}/"
+    page = f"{index.rstrip('/')}/{project}/"
     req = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     try:
         with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
             body = resp.read(INDEX_PAGE_LIMIT + 1)
     except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
-        raise ServiceUnreachable(f"cannot read the package index {page}: {exc}", field=pin.project) from None
+        raise ServiceUnreachable(f"cannot read the package index {page}: {exc}", field=project) from None
     try:
         if len(body) > INDEX_PAGE_LIMIT:
             raise ValueError(f"larger than {INDEX_PAGE_LIMIT // MIB} MiB")
         files = json.loads(body)["files"]
-        entries = [e for e in files if isinstance(e, dict) and e.get("filename") == pin.wheel]
-        if entries and not isinstance(entries[0].get("url"), str):
-            raise ValueError("its entry for the wheel has no url")
+        if not isinstance(files, list):
+            raise TypeError("files is not a list")
     except (ValueError, KeyError, TypeError) as exc:
         raise ServiceUnreachable(f"the package index {page} answered with no PEP 691 page: {exc}") from None
+    return page, [f for f in files if isinstance(f, dict) and isinstance(f.get("filename"), str)]
+
+
+def resolve_from_index(pin: WheelPin) -> tuple[str, int | None]:
+    """The wheel's URL in a PEP 691 (JSON) simple index, and its size when the index
+    declares one (PEP 700): the download may not exceed it."""
+    import urllib.parse
+
+    page, files = index_files(pin.project, pin.index)
+    entries = [e for e in files if e["filename"] == pin.wheel]
+    if entries and not isinstance(entries[0].get("url"), str):
+        raise ServiceUnreachable(
+            f"the package index {page} answered with no PEP 691 page: its entry for the wheel has no url"
+        )
     if not entries:
         raise InputError(f"{pin.wheel} is not listed on {page}", field=f"{pin.project}.wheel")
     url = urllib.parse.urljoin(page, entries[0]["url"])

@@ -55,7 +55,8 @@ def python_in_image(recipe: Recipe) -> str:
     return "python" if recipe.image.mode == "cuda" else f"python{recipe.image.python}"
 
 
-def _index_options(recipe: Recipe) -> list[str]:
+def index_option_list(recipe: Recipe, trusted_host_flag: str = "--trusted-host") -> list[str]:
+    """The recipe's package sources as pip's options (uv calls a trusted host --allow-insecure-host)."""
     pip = recipe.image.pip
     opts = ["--index-url", pip.index_url]
     for url in pip.extra_index_urls:
@@ -63,17 +64,17 @@ def _index_options(recipe: Recipe) -> list[str]:
     for url in pip.find_links:
         opts += ["--find-links", url]
     for host in pip.trusted_hosts:
-        opts += ["--trusted-host", host]
+        opts += [trusted_host_flag, host]
     return opts
 
 
 def index_options(recipe: Recipe) -> str:
     """Where pip finds the locked files (the locked install never resolves: no --no-deps needed)."""
-    return " ".join(shlex.quote(o) for o in _index_options(recipe))
+    return " ".join(shlex.quote(o) for o in index_option_list(recipe))
 
 
 def pip_options(recipe: Recipe) -> str:
-    opts = _index_options(recipe) + (["--no-deps"] if recipe.image.pip.no_deps else [])
+    opts = index_option_list(recipe) + (["--no-deps"] if recipe.image.pip.no_deps else [])
     return " ".join(shlex.quote(o) for o in opts)
 
 

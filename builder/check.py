@@ -80,7 +80,7 @@ def _check_one(work: Workspace, member: Member) -> tuple[MemberCheck, MemberResu
         try:
             work.try_member(member.reversed())
         except HunkFailure:
-            return MemberCheck(member.name, CONFLICT, conflict=_conflict(work, failure)), None
+            return MemberCheck(member.name, CONFLICT, conflict=conflict_facts(work, failure)), None
         return MemberCheck(member.name, ALREADY), None
     offsets = [
         {"file": o.path, "hunk": o.hunk.number, "header": o.hunk.header, "offset": o.offset} for o in result.offsets
@@ -88,23 +88,28 @@ def _check_one(work: Workspace, member: Member) -> tuple[MemberCheck, MemberResu
     return MemberCheck(member.name, OFFSETS if offsets else APPLIED, offsets=offsets), result
 
 
-def _conflict(work: Workspace, failure: HunkFailure) -> dict[str, Any]:
+def conflict_facts(work: Workspace, failure: HunkFailure, found_at_nearest: bool = False) -> dict[str, Any]:
+    """The hunk that failed, its expected lines against the tree's lines where it was looked for
+    (or, with ``found_at_nearest``, at the nearest partial match), and that nearest match."""
     out: dict[str, Any] = {"file": failure.path, "reason": failure.reason}
     hunk = failure.patch_hunk
     if hunk is None:
         return out
     lines = work.state(failure.path).lines or []
     expected = hunk.old_lines
+    near = nearest_partial_match(lines, expected, failure.at)
+    where = near[0] if near is not None and found_at_nearest else failure.at
     out.update(
         hunk=hunk.number,
         header=hunk.header,
         line=failure.at + 1,
         expected=[_text(b) for b in expected],
-        found=[_text(b) for b in lines[failure.at : failure.at + len(expected)]],
+        found=[_text(b) for b in lines[where : where + len(expected)]],
     )
-    near = nearest_partial_match(lines, expected, failure.at)
     if near is not None:
         out["nearest"] = {"line": near[0] + 1, "equal_lines": near[1], "of": len(expected)}
+    elif found_at_nearest:
+        out["nearest"] = {"line": where + 1, "equal_lines": 0, "of": len(expected)}
     return out
 
 

@@ -24,7 +24,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from builder.apply import Workspace, find_hunk, nearest_partial_match
+from builder.apply import Workspace, find_hunk
+from builder.check import conflict_facts
 from builder.errors import HunkFailure, InputError
 from builder.members import FilePatch, Member, parse_member, split_lines
 from builder.merge3 import merge, unified_hunks
@@ -153,7 +154,7 @@ def _one(
             )
             return _row(member, MOVED, text, offsets=offsets, moved=moved)
 
-    conflict = _conflict_facts(new, first_failure)
+    conflict = conflict_facts(new, first_failure, found_at_nearest=True)
     if ours is None:
         conflict["three_way"] = "the member does not apply to the old pinned tree either: no merge base"
         return MemberRebase(member.name, CONFLICT, moved=moved, conflict=conflict)
@@ -279,31 +280,6 @@ def _moved_to(fp: FilePatch, tree: Tree, new: Workspace) -> str | None:
         if best is not None:
             return best[2]
     return None
-
-
-def _conflict_facts(new: Workspace, failure: HunkFailure) -> dict[str, Any]:
-    """The hunk that failed, its expected lines, and the new tree's nearest region."""
-    out: dict[str, Any] = {"file": failure.path, "reason": failure.reason}
-    hunk = failure.patch_hunk
-    if hunk is None:
-        return out
-    lines = new.state(failure.path).lines or []
-    expected = hunk.old_lines
-    near = nearest_partial_match(lines, expected, failure.at)
-    where = near[0] if near is not None else failure.at
-    out.update(
-        hunk=hunk.number,
-        header=hunk.header,
-        line=failure.at + 1,
-        expected=[_str(b) for b in expected],
-        nearest={"line": where + 1, "equal_lines": near[1] if near else 0, "of": len(expected)},
-        found=[_str(b) for b in lines[where : where + len(expected)]],
-    )
-    return out
-
-
-def _str(line: bytes) -> str:
-    return line.decode("utf-8", "replace")
 
 
 def member_header(data: bytes, today: str | None) -> bytes:

@@ -303,3 +303,16 @@ def launch_down(profile: Any, *, engines: Any = None) -> list[Any]:
     from builder.gate import launch_down as down
 
     return down(load_profile(profile), engines=engines)
+
+
+# ---------------------------------------------------------------- the base image's pin
+
+
+def pin_base(recipe: RecipeLike, *, update: bool = False) -> Any:
+    """Resolve the recipe's image.base tag to its digest through the registry API and write
+    ``base: name:tag@sha256:...`` into the recipe file (that value alone; atomic).  An already
+    pinned base is resolved again and rewritten only with ``update`` when its tag moved
+    (builder.basepin.BasePin: ``digest``, ``previous``, ``moved``, ``written``)."""
+    from builder.basepin import pin_base as pin
+
+    return pin(recipe_of(recipe), update=update)

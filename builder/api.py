@@ -163,7 +163,9 @@ def build_image(recipe: RecipeLike, *, push: bool = False, progress: Progress = 
     """The recipe's image: found in the engine or the registry by its image key, else built;
     tagged, pushed if asked, and recorded in the produced rows.  Returns builder.image.Made."""
     from builder.image import ensure_image
+    from builder.produced import load_rows
 
+    load_rows()  # a corrupt rows file is bad input, refused before any work
     context = render(recipe)
     return ensure_image(context.recipe, context.rendered, context.files, push=push, progress=progress)
 

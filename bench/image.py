@@ -13,6 +13,11 @@ file, so it never touches images/produced.yaml.
   (c) `vllm-overlay plan` when nothing changed (median of several runs), from
       a produced row and from the registry: < 0.5 s, and no build started
       (engine events and image count over the runs)
+  (d) issue 14: `plan` from the registry with digest verification (the ik- tag's
+      manifest and image config fetched, each checked against its sha256, the
+      image-key label compared), with no engine at all (DOCKER_HOST names none)
+      and no produced row: the whole command (median), < 0.5 s; and the
+      registry check alone, in process
 
 The full build is the most expensive part (the 315 MB wheel is installed
 again, about 20-30 s); its images are removed afterwards, as are this run's tags.
@@ -157,6 +162,17 @@ def plan_times(recipe: Path, env: dict[str, str]) -> tuple[float, str]:
     return statistics.median(times), first
 
 
+def registry_check_time(reference: str, image_key: str) -> tuple[float, str]:
+    """The registry part of plan alone (builder.image.registry_image), in process: median."""
+    times, said = [], ""
+    for _ in range(PLAN_RUNS):
+        start = time.perf_counter()
+        found = img.registry_image(reference, image_key)
+        times.append(time.perf_counter() - start)
+        said = found.reason
+    return statistics.median(times), said
+
+
 def main() -> None:
     try:
         services = load_service_env()
@@ -203,6 +219,12 @@ def main() -> None:
             plan_registry, said_registry = plan_times(changed, cli_env(services, empty))
             events += build_events(client, started, time.time())
             images_after = len(client.images.list(all=True))
+            # (d) the same, verified through the registry API with no engine to ask
+            no_engine = cli_env(services, empty, DOCKER_HOST="unix:///nonexistent")
+            plan_verified, said_verified = plan_times(changed, no_engine)
+            image_key = client.images.get(ref).labels["io.vllm-overlay.image-key"]
+            ik_tag = ref.rsplit(":", 1)[0] + ":ik-" + image_key.removeprefix("ik-")[:16]
+            check_time, said_check = registry_check_time(ik_tag, image_key)
             # (b) the overlay layers of the member-changed image against the touched files
             layers = overlay_layers(client, ref)
             layer_bytes = sum(size for _, size in layers)
@@ -241,6 +263,12 @@ def main() -> None:
             f"or image builds/tags; images in the engine {images_before} -> {images_after} (the push between adds none)"
         )
         print(f"  builds started: {len(events)}   target 0   {verdict(not events)}")
+        print()
+        print(f"(d) `plan` from the registry with digest verification, no engine (median of {PLAN_RUNS} runs):")
+        ok = plan_verified < 0.5 and said_verified.startswith("up-to-date")
+        shown = said_verified[:60]
+        print(f"  the whole command     {plan_verified:6.3f} s   target < 0.5 s   {verdict(ok)}   [{shown}]")
+        print(f"  the registry check alone (in process)   {check_time * 1000:6.1f} ms   [{said_check[-40:]}]")
     finally:
         made = [i for log in logs for i in made_images(log if isinstance(log, str) else "\n".join(log))]
         remove_images(client, (prefix,), made)

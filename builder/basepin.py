@@ -49,6 +49,7 @@ def pin_base(recipe: Recipe, *, update: bool = False) -> BasePin:
     ref = registry.parse_reference(name)
     if not ref.tag:
         raise InputError(f"{recipe.image.base} has no tag to resolve (write it as name:tag)", **where)
+    _located(recipe.path)  # a value that cannot be rewritten in place is refused before any request
     try:
         digest = registry.resolve(name)
     except RegistryUnreachable as exc:
@@ -63,11 +64,7 @@ def pin_base(recipe: Recipe, *, update: bool = False) -> BasePin:
 
 def rewrite_base(path: Path, value: str) -> None:
     """Put ``value`` in place of image.base's scalar in the file, changing no other byte."""
-    path = path.resolve()  # a symlinked recipe: write its target, keep the link
-    text = read_regular(path, RECIPE_LIMIT, "the recipe").decode("utf-8")
-    node = _base_node(yaml.compose(text, Loader=yaml.SafeLoader))
-    if node is None or node.style not in (None, "'", '"') or node.start_mark.line != node.end_mark.line:
-        raise InputError("cannot rewrite in place: expected a one-line scalar value", file=path, field=FIELD)
+    path, text, node = _located(path)
     quote = node.style or ""
     new = text[: node.start_mark.index] + quote + value + quote + text[node.end_mark.index :]
     expected = load_yaml(text, path)
@@ -77,6 +74,17 @@ def rewrite_base(path: Path, value: str) -> None:
     mode = os.stat(path).st_mode & 0o7777
     atomic_write(path, new.encode("utf-8"))
     os.chmod(path, mode)  # the temporary file was made 0600
+
+
+def _located(path: Path) -> tuple[Path, str, yaml.ScalarNode]:
+    """The recipe's real path (a symlink's target: the link stays), its text, and image.base's
+    node, which must be a one-line plain or quoted scalar."""
+    given, path = path, path.resolve()
+    text = read_regular(path, RECIPE_LIMIT, "the recipe").decode("utf-8")
+    node = _base_node(yaml.compose(text, Loader=yaml.SafeLoader))
+    if node is None or node.style not in (None, "'", '"') or node.start_mark.line != node.end_mark.line:
+        raise InputError("cannot rewrite in place: expected a one-line scalar value", file=given, field=FIELD)
+    return path, text, node
 
 
 def _base_node(root: Any) -> yaml.ScalarNode | None:

@@ -372,6 +372,24 @@ def test_pin_base_with_an_unreachable_registry_is_one_line_exit_3(tmp_path, host
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]  # no temporary left
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("127.0.0.1:1/cuda/base", "127.0.0.1:1/cuda/base has no tag to resolve (write it as name:tag)"),
+        (">-\n    127.0.0.1:1/cuda/base:1.0", "cannot rewrite in place: expected a one-line scalar value"),
+    ],
+)
+def test_pin_base_refuses_what_it_cannot_pin_before_any_request(tmp_path, value, expected) -> None:
+    """Bad input, exit 2 (the registry at 127.0.0.1:1 would be exit 3, had it been asked)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(DEFAULT_RECIPE.read_text().replace(DEFAULT_BASE, value))
+    before = recipe.read_bytes()
+    proc = run_cli("pin-base", recipe)
+    assert proc.returncode == 2, proc.stderr
+    assert one_line(proc) == f"vllm-overlay: {recipe}: image.base: {expected}"
+    assert recipe.read_bytes() == before
+
+
 def test_pin_base_of_the_default_recipe_names_docker_hub(tmp_path) -> None:
     """The default base is on Docker Hub; with no registry reachable from here (this machine),
     the line names the base and registry-1.docker.io."""

@@ -11,7 +11,8 @@ file, so it never touches images/produced.yaml.
   (b) the overlay layers' size (every layer above the installed stage, from
       the image's history) against the touched files' bytes: at most 64 KiB over
   (c) `vllm-overlay plan` when nothing changed (median of several runs), from
-      a produced row and from the registry: < 0.5 s, and no build started
+      a produced row (the recipe under a repository without a registry: only
+      there does a row count) and from the registry: < 0.5 s, and no build started
       (engine events and image count over the runs)
   (d) issue 14: `plan` from the registry with digest verification (the ik- tag's
       manifest and image config fetched, each checked against its sha256, the
@@ -42,6 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import docker  # noqa: E402
+import yaml  # noqa: E402
 
 from builder import image as img  # noqa: E402
 from builder.apply import apply_members  # noqa: E402
@@ -209,10 +211,15 @@ def main() -> None:
             cached = sum(1 for line in proc.stderr.splitlines() if line.strip() == "---> Using cache")
             ran = sum(1 for line in proc.stderr.splitlines() if line.strip().startswith("---> Running in"))
             ref = proc.stdout.strip().splitlines()[-1]
-            # (c) plan when nothing changed: from the produced row, then (rows empty) from the registry
+            # (c) plan when nothing changed: from the produced row, then (rows empty) from the registry.
+            # A row counts only for a repository without a registry: the same row, under a local name.
+            local = f"vllm-overlay-bench-{run_id}/v41-sm120"
+            [row] = [r for r in yaml.safe_load(produced.read_text()) if r["image"] == ref]
+            local_rows = work / "local-rows.yaml"
+            local_rows.write_text(yaml.safe_dump([{**row, "repository": local}], sort_keys=False))
             images_before = len(client.images.list(all=True))
             started = time.time()
-            plan_row, said_row = plan_times(changed, env)
+            plan_row, said_row = plan_times(changed, cli_env(services, local_rows, VLLM_OVERLAY_REPOSITORY=local))
             events = build_events(client, started, time.time())
             push_time, _ = vo("image", changed, "--push", env=env)
             started = time.time()

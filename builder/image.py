@@ -208,14 +208,12 @@ def move_tags(tags: Tags, digest: str, progress: Progress = _stderr) -> None:
     under them in the registry: no layer is pulled or pushed."""
     from builder import registry
 
-    names = [ref.rsplit(":", 1)[1] for ref in (tags.moving, tags.runtime)]
+    repository, names = tags.image.rsplit(":", 1)[0], [ref.rsplit(":", 1)[1] for ref in (tags.moving, tags.runtime)]
     before = {ref: registry.resolve(ref) for ref in (tags.moving, tags.runtime)}
-    moved = registry.retag(tags.image, names)
-    if moved != digest:  # the ik- tag changed under us: say what was put
-        progress(f"warning: {tags.image} now holds {moved}, not {digest}")
+    registry.retag(f"{repository}@{digest}", names)  # by digest: exactly the manifest that was checked
     for ref, was in before.items():
-        said = "already on" if was == moved else f"moved from {was} to" if was else "put on"
-        progress(f"{ref}: {said} {moved} (its manifest put in the registry, no layer pulled)")
+        said = "already on" if was == digest else f"moved from {was} to" if was else "put on"
+        progress(f"{ref}: {said} {digest} (its manifest put in the registry, no layer pulled)")
 
 
 def produced_row(recipe: Recipe, rendered: RenderedImage, reference: str, digest: str, pushed: bool) -> dict[str, Any]:

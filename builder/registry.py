@@ -405,11 +405,14 @@ def image_config(reference: str) -> ImageConfig | None:
 
 
 def retag(source: str, tags: list[str]) -> str:
-    """Put the manifest ``source`` (name:tag) names under each tag of the same repository, without
-    pulling a layer; returns its digest.  A source that is not there is RegistryUnreachable (it was
-    just seen there)."""
-    registry, ref = _tagged(source)
-    manifest = registry.manifest(ref.repository, ref.tag)
+    """Put the manifest ``source`` names (``name:tag`` or ``name@sha256:...``, the digest checked)
+    under each tag of the same repository, without pulling a layer; returns its digest.  A source
+    that is not there is RegistryUnreachable (it was just seen there)."""
+    ref = parse_reference(source)
+    if not (ref.digest or ref.tag):
+        raise InputError(f"{source}: expected a tag or a digest")
+    registry = Registry(ref.registry)
+    manifest = registry.manifest(ref.repository, ref.digest or ref.tag)
     if manifest is None:
         raise RegistryUnreachable(f"registry {registry.host}: {source} is no longer there")
     for tag in tags:

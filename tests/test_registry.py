@@ -552,12 +552,12 @@ def test_plan_believes_the_registry_with_no_engine(services, scenario, tmp_path)
 def test_forged_and_foreign_rows_do_not_make_plan_say_up_to_date(services, scenario, tmp_path) -> None:
     repo = scenario.repo
     # Forged: a row (this repository, the image key, a real digest) for an image never pushed.
-    forged = write_recipe_copy(tmp_path / "forged.yaml", services, repo)
-    data = yaml.safe_load(forged.read_text())
-    data["name"] = f"v41-sm120-forged-{RUN_ID}"  # a new image key
-    forged.write_text(yaml.safe_dump(data, sort_keys=False))
+    # A member changed anew: another image key, never built.
+    overlay = changed_overlay(tmp_path / "overlay", f"forged {RUN_ID}")
+    forged = write_recipe_copy(tmp_path / "forged.yaml", services, repo, overlay=overlay)
     produced = tmp_path / "produced.yaml"
     ik = image_key_of(forged, produced)
+    assert ik not in (scenario.a_ik, scenario.b_ik)
     produced.write_text(yaml.safe_dump([row_for(ik, repo, scenario.a_digest)]))
     first = plan_first_line(forged, produced)
     assert first.startswith(f"rebuild: {repo}:ik-{ik.removeprefix('ik-')[:16]} is not in the registry"), first

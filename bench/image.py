@@ -11,8 +11,14 @@ file, so it never touches images/produced.yaml.
   (b) the overlay layers' size (every layer above the installed stage, from
       the image's history) against the touched files' bytes: at most 64 KiB over
   (c) `vllm-overlay plan` when nothing changed (median of several runs), from
-      a produced row and from the registry: < 0.5 s, and no build started
+      a produced row (the recipe under a repository without a registry: only
+      there does a row count) and from the registry: < 0.5 s, and no build started
       (engine events and image count over the runs)
+  (d) issue 14: `plan` from the registry with digest verification (the ik- tag's
+      manifest and image config fetched, each checked against its sha256, the
+      image-key label compared), with no engine at all (DOCKER_HOST names none)
+      and no produced row: the whole command (median), < 0.5 s; and the
+      registry check alone, in process
 
 The full build is the most expensive part (the 315 MB wheel is installed
 again, about 20-30 s); its images are removed afterwards, as are this run's tags.
@@ -37,6 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import docker  # noqa: E402
+import yaml  # noqa: E402
 
 from builder import image as img  # noqa: E402
 from builder.apply import apply_members  # noqa: E402
@@ -157,6 +164,17 @@ def plan_times(recipe: Path, env: dict[str, str]) -> tuple[float, str]:
     return statistics.median(times), first
 
 
+def registry_check_time(reference: str, image_key: str) -> tuple[float, str]:
+    """The registry part of plan alone (builder.image.registry_image), in process: median."""
+    times, said = [], ""
+    for _ in range(PLAN_RUNS):
+        start = time.perf_counter()
+        found = img.registry_image(reference, image_key)
+        times.append(time.perf_counter() - start)
+        said = found.reason
+    return statistics.median(times), said
+
+
 def main() -> None:
     try:
         services = load_service_env()
@@ -193,16 +211,27 @@ def main() -> None:
             cached = sum(1 for line in proc.stderr.splitlines() if line.strip() == "---> Using cache")
             ran = sum(1 for line in proc.stderr.splitlines() if line.strip().startswith("---> Running in"))
             ref = proc.stdout.strip().splitlines()[-1]
-            # (c) plan when nothing changed: from the produced row, then (rows empty) from the registry
+            # (c) plan when nothing changed: from the produced row, then (rows empty) from the registry.
+            # A row counts only for a repository without a registry: the same row, under a local name.
+            local = f"vllm-overlay-bench-{run_id}/v41-sm120"
+            [row] = [r for r in yaml.safe_load(produced.read_text()) if r["image"] == ref]
+            local_rows = work / "local-rows.yaml"
+            local_rows.write_text(yaml.safe_dump([{**row, "repository": local}], sort_keys=False))
             images_before = len(client.images.list(all=True))
             started = time.time()
-            plan_row, said_row = plan_times(changed, env)
+            plan_row, said_row = plan_times(changed, cli_env(services, local_rows, VLLM_OVERLAY_REPOSITORY=local))
             events = build_events(client, started, time.time())
             push_time, _ = vo("image", changed, "--push", env=env)
             started = time.time()
             plan_registry, said_registry = plan_times(changed, cli_env(services, empty))
             events += build_events(client, started, time.time())
             images_after = len(client.images.list(all=True))
+            # (d) the same, verified through the registry API with no engine to ask
+            no_engine = cli_env(services, empty, DOCKER_HOST="unix:///nonexistent")
+            plan_verified, said_verified = plan_times(changed, no_engine)
+            image_key = client.images.get(ref).labels["io.vllm-overlay.image-key"]
+            ik_tag = ref.rsplit(":", 1)[0] + ":ik-" + image_key.removeprefix("ik-")[:16]
+            check_time, said_check = registry_check_time(ik_tag, image_key)
             # (b) the overlay layers of the member-changed image against the touched files
             layers = overlay_layers(client, ref)
             layer_bytes = sum(size for _, size in layers)
@@ -241,6 +270,12 @@ def main() -> None:
             f"or image builds/tags; images in the engine {images_before} -> {images_after} (the push between adds none)"
         )
         print(f"  builds started: {len(events)}   target 0   {verdict(not events)}")
+        print()
+        print(f"(d) `plan` from the registry with digest verification, no engine (median of {PLAN_RUNS} runs):")
+        ok = plan_verified < 0.5 and said_verified.startswith("up-to-date")
+        shown = said_verified[:60]
+        print(f"  the whole command     {plan_verified:6.3f} s   target < 0.5 s   {verdict(ok)}   [{shown}]")
+        print(f"  the registry check alone (in process)   {check_time * 1000:6.1f} ms   [{said_check[-40:]}]")
     finally:
         made = [i for log in logs for i in made_images(log if isinstance(log, str) else "\n".join(log))]
         remove_images(client, (prefix,), made)

@@ -173,7 +173,9 @@ def build_image(recipe: RecipeLike, *, push: bool = False, progress: Progress = 
     """The recipe's image: found in the engine or the registry by its image key, else built;
     tagged, pushed if asked, and recorded in the produced rows.  Returns builder.image.Made."""
     from builder.image import ensure_image
+    from builder.produced import load_rows
 
+    load_rows()  # a corrupt rows file is bad input, refused before any work
     context = render(recipe)
     return ensure_image(context.recipe, context.rendered, context.files, push=push, progress=progress)
 
@@ -325,6 +327,19 @@ def launch_down(profile: Any, *, engines: Any = None) -> list[Any]:
     from builder.gate import launch_down as down
 
     return down(load_profile(profile), engines=engines)
+
+
+# ---------------------------------------------------------------- the base image's pin
+
+
+def pin_base(recipe: RecipeLike, *, update: bool = False) -> Any:
+    """Resolve the recipe's image.base tag to its digest through the registry API and write
+    ``base: name:tag@sha256:...`` into the recipe file (that value alone; atomic).  An already
+    pinned base is resolved again and rewritten only with ``update`` when its tag moved
+    (builder.basepin.BasePin: ``digest``, ``previous``, ``moved``, ``written``)."""
+    from builder.basepin import pin_base as pin
+
+    return pin(recipe_of(recipe), update=update)
 
 
 # ---------------------------------------------------------------- rebase and the member workflow

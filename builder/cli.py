@@ -95,6 +95,25 @@ def cmd_members(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pin_base(args: argparse.Namespace) -> int:
+    pinned = api.pin_base(args.recipe, update=args.update)
+    if pinned.written and pinned.previous is None:
+        api.stderr_progress(f"pinned {pinned.name} at {pinned.digest} in {pinned.recipe}")
+    elif pinned.written:
+        api.stderr_progress(f"{pinned.name} moved from {pinned.previous}; pinned at {pinned.digest} in {pinned.recipe}")
+    elif pinned.moved:
+        api.stderr_progress(
+            f"{pinned.name} moved: the recipe pins {pinned.previous}, the tag is now {pinned.digest};"
+            " run pin-base --update to pin it"
+        )
+        print(pinned.previous)
+        return 1
+    else:
+        api.stderr_progress(f"{pinned.name} is pinned at its tag's current digest")
+    print(pinned.digest)
+    return 0
+
+
 def cmd_launch_argv(args: argparse.Namespace) -> int:
     argv = api.launch_argv(args.profile, args.rank)
     print(json.dumps(argv) if args.json else shlex.join(argv))
@@ -189,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     command("lock", cmd_lock, "resolve the image's packages with uv (every file by sha256) into <recipe name>.lock")
     p = command("members", cmd_members, "write each member made from a source file (overlay/<name>.py) from it")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if any is out of date")
+    p = command("pin-base", cmd_pin_base, "resolve image.base's tag to its digest (registry API); pin it in the recipe")
+    p.add_argument("--update", action="store_true", help="when the tag moved from the pinned digest, pin the new one")
 
     def gated(p: argparse.ArgumentParser) -> None:
         p.add_argument("profile", help="launch profile YAML (e.g. recipes/launch/v41-sm120.yaml)")

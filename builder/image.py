@@ -1,9 +1,13 @@
 """Image: build the rendered context through the Docker SDK, tag it by key, push, record.
 
 The engine is whatever ``DOCKER_HOST`` names (``ssh://`` included, through the
-system ssh client).  A build is skipped when an image carrying the image key
-is already in the local engine, or its ``ik-`` tag is in the registry.  The
-produced-image row is written only after a build (and push) succeeded.
+system ssh client).  A build is skipped when an image this builder made for the
+image key is already in the local engine, or the registry's ``ik-`` tag holds
+one (its config labelled with the key; read through builder.registry, no engine).
+A skip from the registry with ``--push`` moves the recipe's moving and ``rk-``
+tags to that digest by putting its manifest under them: no layer is pulled.
+The produced-image row (one per repository and image key) is written only after
+a build (and push) succeeded, and replaced when a push gives it the registry digest.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 from builder import __version__
 from builder.errors import CheckFailed, RegistryUnreachable, ServiceUnreachable
 from builder.key import short_key
-from builder.produced import append_row, find_row
+from builder.produced import find_row, record_row
 from builder.recipe import Recipe
 from builder.render import RenderedImage, context_tar, python_in_image
 
@@ -85,18 +89,39 @@ def local_image(client, image_key: str):
     return None
 
 
-def in_registry(client, reference: str) -> str | None:
-    """The digest of ``reference`` in its registry, or None when the tag is not there."""
-    from docker.errors import APIError, NotFound
+IMAGE_KEY_LABEL = "io.vllm-overlay.image-key"
+# The step build() adds after the build proper: only the image this builder made ends with it (an
+# image built FROM it inherits every label, the image key's included).
+BUILDER_STEP = "LABEL io.vllm-overlay.torch-cuda="
 
-    try:
-        return client.images.get_registry_data(reference).id
-    except NotFound:
-        return None
-    except APIError as exc:
-        if exc.status_code in (404, 401):  # some registries answer 401 for an unknown repository
-            return None
-        raise RegistryUnreachable(f"registry lookup of {reference} failed: {exc.explanation or exc}") from None
+
+@dataclass(frozen=True)
+class RegistryImage:
+    """What the registry's ik- tag holds: ``digest`` only when it is an image this builder made
+    for the image key; ``reason`` says what was found either way."""
+
+    digest: str | None
+    reason: str
+
+
+def registry_image(reference: str, image_key: str) -> RegistryImage:
+    """Whether ``reference`` (REPO:ik-...) names, in its registry, an image made for ``image_key``:
+    the tag resolves and its image config carries the image-key label and the builder's last
+    step.  RegistryUnreachable when the registry cannot tell."""
+    from builder import registry
+
+    found = registry.image_config(reference)
+    if found is None:
+        return RegistryImage(None, f"{reference} is not in the registry")
+    there = f"{reference} is in the registry ({found.digest})"
+    label = found.labels.get(IMAGE_KEY_LABEL)
+    if label is None:
+        return RegistryImage(None, f"{there} but its image has no image-key label")
+    if label != image_key:
+        return RegistryImage(None, f"{there} but its image is labelled with image key {label}")
+    if BUILDER_STEP not in found.last_step:
+        return RegistryImage(None, f"{there} but its image was built FROM the overlay image, not by vllm-overlay")
+    return RegistryImage(found.digest, f"{there}, labelled with the image key")
 
 
 LOCAL_RECIPE = "recipes/local.yaml"
@@ -214,7 +239,8 @@ def _report(client, image_id: str, python: str) -> dict[str, str]:
 
 
 def push_tags(client, refs: list[str], progress: Progress = _stderr) -> str | None:
-    """Push each reference; return the registry digest of the pushed image."""
+    """Push each reference; return the registry digest of the pushed image (the engine's answer)."""
+    digest = None
     for ref in refs:
         repo, tag = ref.rsplit(":", 1)
         progress(f"push {ref}")
@@ -223,24 +249,36 @@ def push_tags(client, refs: list[str], progress: Progress = _stderr) -> str | No
                 raise CheckFailed(f"push of {ref} failed: {chunk['error']}")  # the engine tells no reason apart
             if chunk.get("status") in ("Pushed", "Layer already exists"):
                 progress(f"  {chunk.get('id', '')}: {chunk['status']}")
-    return in_registry(client, refs[0])
+            digest = (chunk.get("aux") or {}).get("Digest") or digest
+    return digest
 
 
-def produced_row(recipe: Recipe, rendered: RenderedImage, reference: str, digest: str) -> dict[str, Any]:
+def move_tags(tags: Tags, digest: str, progress: Progress = _stderr) -> None:
+    """Point the moving and rk- tags at the digest the ik- tag holds, by putting its manifest
+    under them in the registry: no layer is pulled or pushed."""
+    from builder import registry
+
+    repository, names = tags.image.rsplit(":", 1)[0], [ref.rsplit(":", 1)[1] for ref in (tags.moving, tags.runtime)]
+    before = {ref: registry.resolve(ref) for ref in (tags.moving, tags.runtime)}
+    registry.retag(f"{repository}@{digest}", names)  # by digest: exactly the manifest that was checked
+    for ref, was in before.items():
+        said = "already on" if was == digest else f"moved from {was} to" if was else "put on"
+        progress(f"{ref}: {said} {digest} (its manifest put in the registry, no layer pulled)")
+
+
+def produced_row(recipe: Recipe, rendered: RenderedImage, reference: str, digest: str, pushed: bool) -> dict[str, Any]:
     return {
         "recipe": recipe.name,
+        "repository": recipe.image.repository,
         "runtime_key": rendered.runtime_key,
         "image_key": rendered.image_key,
         "image": reference,
         "digest": digest,
+        "digest_from": "registry" if pushed else "engine",  # a registry manifest digest, or the local image id
         "pins": {"vllm": recipe.vllm.version, "flashinfer": recipe.flashinfer.version},
         "builder": __version__,
         "time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
-
-
-def record(recipe: Recipe, rendered: RenderedImage, reference: str, digest: str) -> None:
-    append_row(produced_row(recipe, rendered, reference, digest))
 
 
 @dataclass(frozen=True)
@@ -263,8 +301,9 @@ def ensure_image(
     progress: Progress = _stderr,
 ) -> Made:
     """The image for ``rendered``'s image key: an image this builder made for it in the
-    engine, or its ik- tag in the registry, else a build.  Tagged, pushed if asked, and
-    recorded in the produced rows once (only after success)."""
+    engine, or its ik- tag in the registry, else a build.  Tagged, pushed if asked (a registry
+    skip moves the tags there instead), and recorded in the produced rows (only after success;
+    one row per repository and image key, given the registry digest once there is one)."""
     from docker.errors import DockerException
     from requests.exceptions import RequestException
 
@@ -283,25 +322,39 @@ def _ensure_image(
     tags = tags_for(recipe, rendered)
     client = docker_client()
     built = local_image(client, rendered.image_key)
-    digest = None
+    found = RegistryImage(None, "")
     if built is None and registry_of(recipe.image.repository):
         try:
-            digest = in_registry(client, tags.image)
+            found = registry_image(tags.image, rendered.image_key)
         except RegistryUnreachable as exc:
             progress(f"warning: {exc}; building")
+        else:
+            if found.digest is None:
+                progress(found.reason)
+    digest = found.digest
     if built is not None:
         how = "engine"
         progress(f"up to date: an image with image key {rendered.image_key} is in the engine ({built.id})")
         tag_all(built, tags)  # this repository's tags may be missing (another repository built it)
     elif digest is not None:
         how = "registry"
-        progress(f"up to date: {tags.image} is in the registry ({digest})")
+        progress(f"up to date: {found.reason}")
+        if push:
+            move_tags(tags, digest, progress)
+        else:
+            progress(f"{tags.moving} and {tags.runtime} left as they are (no --push)")
     else:
         how = "built"
         progress(f"building {tags.runtime} (image key {rendered.image_key})")
         built = build(client, recipe, rendered, files, progress)
     if push and built is not None:
         digest = push_tags(client, tags.all(), progress)
-    if find_row(rendered.image_key) is None:
-        record(recipe, rendered, tags.runtime, digest or built.id)
+        if digest is None:
+            from builder import registry
+
+            digest = registry.resolve(tags.image)  # an engine that did not say: ask the registry
+    if digest is not None:
+        record_row(produced_row(recipe, rendered, tags.runtime, digest, pushed=True), replace=True)
+    elif find_row(rendered.image_key, repository=recipe.image.repository) is None:
+        record_row(produced_row(recipe, rendered, tags.runtime, built.id, pushed=False), replace=False)
     return Made(tags.runtime, rendered.image_key, how, digest or (built.id if built is not None else None))

@@ -1,8 +1,12 @@
 """Plan: should CI build the recipe's image?  ``rebuild`` or ``up-to-date``, from keys alone.
 
-Nothing here reads the base tree or starts a build: the keys come from the
-recipe and members, the answer from the produced-image rows and, when the
-repository names a registry, the ``ik-`` tag there.
+Nothing here reads the base tree or needs a Docker engine: the keys come from
+the recipe and members.  For a repository that names a registry the answer is
+the registry's alone: up to date only when its ``ik-`` tag resolves to an image
+whose config carries the image-key label (read through builder.registry); a
+produced row never suffices there, since it says what one machine did, not what
+the registry holds.  For a repository without a registry, a row counts when its
+repository and image key are the recipe's.  Rows for other repositories never count.
 """
 
 from __future__ import annotations
@@ -37,24 +41,25 @@ def plan(recipe: Recipe, members: tuple[Member, ...]) -> Plan:
     rk = runtime_key(recipe, members)
     rendered = render_image(recipe, rk, revision="")  # the revision label never enters the key
     ik = rendered.image_key
-    row = find_row(ik)
-    if row is not None:
-        return Plan(False, rk, ik, f"produced {row.get('image')} ({row.get('time')})")
-    from builder.image import registry_of, tags_for
+    repository = recipe.image.repository
+    row = find_row(ik, repository=repository)  # read (and checked) either way: a corrupt file is bad input
+    from builder.image import registry_image, registry_of, tags_for
 
-    if registry_of(recipe.image.repository):
+    if registry_of(repository):
         from builder.errors import RegistryUnreachable
-        from builder.image import docker_client, in_registry
 
         ref = tags_for(recipe, rendered).image
         try:
-            digest = in_registry(docker_client(), ref)
+            found = registry_image(ref, ik)
         except RegistryUnreachable as exc:
-            return Plan(True, rk, ik, f"no produced row, and the registry cannot tell ({exc})")
-        if digest is not None:
-            return Plan(False, rk, ik, f"{ref} is in the registry ({digest})")
-        return Plan(True, rk, ik, f"no produced row, and {ref} is not in the registry")
-    return Plan(True, rk, ik, "no produced row for this image key (and no registry in the repository name)")
+            return Plan(True, rk, ik, f"the registry cannot tell whether {ref} is there ({exc})")
+        if found.digest is not None:
+            return Plan(False, rk, ik, found.reason)
+        unheeded = " (a produced row names it, but for a registry repository only the registry counts)" if row else ""
+        return Plan(True, rk, ik, found.reason + unheeded)
+    if row is not None:
+        return Plan(False, rk, ik, f"produced {row.get('image')} ({row.get('time')})")
+    return Plan(True, rk, ik, f"no produced row for {repository} with this image key (and no registry in its name)")
 
 
 def write_github_output(result: Plan) -> None:

@@ -172,7 +172,8 @@ def test_plan_from_produced_rows(tmp_path):
     ik = render_image(recipe, rk, revision="").image_key
     assert f"runtime key {rk}" in first.stdout and f"image key   {ik}" in first.stdout
     assert output.read_text() == f"rebuild=true\nkey={rk}\nimage-key={ik}\n"
-    produced.write_text(f"- recipe: v41-sm120\n  image_key: {ik}\n  image: x:rk-1\n  time: t\n")
+    repo = recipe.image.repository  # a row counts only for its own repository
+    produced.write_text(f"- recipe: v41-sm120\n  repository: {repo}\n  image_key: {ik}\n  image: x:rk-1\n  time: t\n")
     second = run_cli("plan", DEFAULT_RECIPE, env=env)
     assert second.stdout.startswith("up-to-date: produced x:rk-1")
     assert output.read_text().endswith(f"rebuild=false\nkey={rk}\nimage-key={ik}\n")

@@ -178,7 +178,12 @@ def build(client, recipe: Recipe, rendered: RenderedImage, files: dict[str, byte
     cache = previous_image(client, recipe, progress)
     image_id = _build(client, context_tar(files), tags.runtime, progress, cache_from=[cache] if cache else None)
     report = _report(client, image_id, python_in_image(recipe))
-    labels = {"io.vllm-overlay.torch-cuda": report["torch_cuda"], "io.vllm-overlay.nvcc": report["nvcc"]}
+    labels = {
+        "io.vllm-overlay.torch-cuda": report["torch_cuda"],
+        "io.vllm-overlay.nvcc": report["nvcc"],
+        # the wheels the locked install put in (name==version sha256:...), or "unknown" when unlocked
+        "io.vllm-overlay.installed": report.get("installed", "unknown"),
+    }
     dockerfile = f"FROM {image_id}\nLABEL " + " ".join(f"{k}={json.dumps(v)}" for k, v in labels.items()) + "\n"
     image_id = _build(client, context_tar({"Dockerfile": dockerfile.encode()}), tags.runtime, progress)
     image = client.images.get(image_id)

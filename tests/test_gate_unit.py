@@ -10,6 +10,7 @@ import json
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import docker.errors
 import pytest
@@ -368,7 +369,7 @@ class FakeContainer:
 
 
 class FakeClient:
-    def __init__(self, start_error=None, hang=False) -> None:
+    def __init__(self, start_error=None, hang=False, image_labels=None) -> None:
         self.start_error, self.hang = start_error, hang
         self.created: list[FakeContainer] = []
         self.removed: list[str] = []
@@ -385,7 +386,11 @@ class FakeClient:
             def remove_container(self, cid, force=False):
                 client.removed.append(cid)
 
-        self.containers, self.api = Containers(), Api()
+        class Images:
+            def get(self, image_id):
+                return SimpleNamespace(id=image_id, labels=dict(image_labels or {}))
+
+        self.containers, self.api, self.images = Containers(), Api(), Images()
 
     def ping(self):
         return True
@@ -449,6 +454,25 @@ def test_docker_engine_serving_container_is_the_gated_argv(tmp_path) -> None:
     assert kwargs["entrypoint"] == list(job.argv) and job.argv[:2] == ("vllm", "serve")
     assert (kwargs["ipc_mode"], kwargs["network_mode"]) == ("host", "host")
     assert kwargs["labels"] == {"io.vllm-overlay.rank": "head"} and "environment" not in kwargs
+    assert [m["Target"] for m in kwargs["mounts"]] == [job.checkpoint]  # the image names no JIT directory
+
+
+def test_docker_engine_serving_container_mounts_a_jit_volume_per_image_key(tmp_path) -> None:
+    labels = {
+        "io.vllm-overlay.flashinfer-jit-cache": "/var/cache/flashinfer",
+        "io.vllm-overlay.image-key": "ik-" + "ab" * 32,
+    }
+    client = FakeClient(image_labels=labels)
+    engine = gate.DockerEngine(ENGINE_A, connect=lambda url: client)
+    job = docker_job(tmp_path)
+    engine.start(job, "sha256:img", {})
+    mounts = {m["Target"]: m for m in client.created[0].kwargs["mounts"]}
+    assert set(mounts) == {job.checkpoint, "/var/cache/flashinfer"}
+    jit = mounts["/var/cache/flashinfer"]
+    assert (jit["Type"], jit["Source"], jit["ReadOnly"]) == ("volume", "vllm-overlay-flashinfer-" + "ab" * 8, False)
+    # the self-test container gets no JIT volume: it compiles nothing worth keeping
+    engine.run_selftest(job, "sha256:img", {})
+    assert [m["Target"] for m in client.created[1].kwargs["mounts"]] == [job.checkpoint]
 
 
 def test_docker_engine_unreachable_is_one_line_naming_the_url(tmp_path) -> None:

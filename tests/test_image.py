@@ -385,7 +385,8 @@ def test_push_then_plan_answers_from_the_registry(services, client, default_buil
 
 
 def test_installed_file_differing_from_the_manifest_fails_the_build(services, default_build, tmp_path) -> None:
-    # An existing-vLLM base whose attention.py is already patched: its "before" hash does not match.
+    # An existing-vLLM base whose attention.py is already patched: the pins check finds it differing
+    # from vLLM's RECORD (what pip installed), before the overlay's "before" hashes are compared.
     recipe = write_recipe_copy(
         tmp_path / "recipe.yaml",
         services,
@@ -396,11 +397,11 @@ def test_installed_file_differing_from_the_manifest_fails_the_build(services, de
     produced = tmp_path / "produced.yaml"
     run = image_run(services, recipe, produced)
     assert run.proc.returncode == 1, stderr_tail(run.proc)
+    last = run.proc.stderr.splitlines()[-1]
+    assert last.startswith("vllm-overlay: image build failed: vllm 0.30.0: "), stderr_tail(run.proc)
     assert re.search(
-        r"site-packages/vllm/models/deepseek_v41/attention\.py: installed file differs from the overlay's base",
-        run.proc.stderr,
-    ), stderr_tail(run.proc)
-    assert run.proc.stderr.splitlines()[-1].startswith("vllm-overlay: image build failed")
+        r"installed files differ from its RECORD: .*vllm/models/deepseek_v41/attention\.py \(sha256 ", last
+    )
     assert "Traceback" not in run.proc.stderr
     assert rows(produced) == []
 

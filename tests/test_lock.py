@@ -296,6 +296,11 @@ def test_image_installs_from_the_lock(services, client, vllm_wheel, tmp_path):
     pins = yaml.safe_load(recipe.read_text())
     for pin in (pins["vllm"], pins["flashinfer"]):
         assert pin["wheel"] in installed and pin["sha256"] in installed
+    # and the image says what was installed, with the hashes the lock enforced (not the recipe's words)
+    assert image.labels["io.vllm-overlay.installed"] == (
+        f"vllm=={pins['vllm']['version']} sha256:{pins['vllm']['sha256']};"
+        f" flashinfer-python=={pins['flashinfer']['version']} sha256:{pins['flashinfer']['sha256']}"
+    )
 
     # The image key covers the lock's bytes: the same lock with one more comment is another image.
     context = tmp_path / "context"

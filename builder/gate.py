@@ -285,9 +285,9 @@ def current_image(profile: Profile) -> ImageRef:
     recipe = profile.recipe
     rk = runtime_key(recipe, load_recipe_members(recipe))
     ik = render_image(recipe, rk, revision="").image_key  # as plan: the revision never enters the key
-    row = find_row(ik)
+    row = find_row(ik, repository=recipe.image.repository)  # another repository's row never counts
     if row is None or row.get("runtime_key") != rk or not row.get("digest") or not row.get("image"):
-        raise stale(rk, ik, "no produced-image row has them")
+        raise stale(rk, ik, f"no produced-image row of {recipe.image.repository} has them")
     return ImageRef(row["image"], row["digest"], rk, ik)
 
 

@@ -287,7 +287,7 @@ def test_a_stale_row_is_refused_before_any_container_starts(
         assert all(rank["exit_code"] is None and not rank["passed"] for rank in receipt["ranks"])
     else:  # refused from the rows alone: no engine asked, one line, no receipt
         assert lines == [lines[-1]], run
-        assert "(no produced-image row has them)" in lines[-1]
+        assert "(no produced-image row of " in lines[-1] and " has them)" in lines[-1]
         assert not (tmp_path / "receipts").exists()
         keys = re.match(r"vllm-overlay: image is stale: recipe key (rk-\w+), image key (ik-\w+) ", lines[-1])
         assert keys, lines[-1]

@@ -63,8 +63,9 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keys) -> dict:
     """A produced row with the recipe's current keys, receipts in tmp_path, the profile."""
     rk, ik = keys
     produced = tmp_path / "produced.yaml"
+    repository = yaml.safe_load(DEFAULT_RECIPE.read_text())["image"]["repository"]
     row = {"recipe": "v41-sm120", "runtime_key": rk, "image_key": ik, "image": "127.0.0.1:5000/vo/t:rk-1",
-           "digest": "sha256:" + "d" * 64, "time": "2026-01-01T00:00:00Z"}  # fmt: skip
+           "digest": "sha256:" + "d" * 64, "time": "2026-01-01T00:00:00Z", "repository": repository}  # fmt: skip
     produced.write_text(yaml.safe_dump([row]))
     monkeypatch.setenv("VLLM_OVERLAY_PRODUCED", str(produced))
     monkeypatch.setenv("VLLM_OVERLAY_RECEIPTS", str(tmp_path / "receipts"))
@@ -197,6 +198,14 @@ def test_a_pass_line_with_a_nonzero_exit_or_not_last_is_a_failure(env, keys) -> 
     fleet = Fleet(keys, {"head": SelftestRun(3, PASS_OUT, ""), "worker": SelftestRun(0, PASS_OUT + "trailing\n", "")})
     result = api.gate(env["profile"], engines=fleet.factory)
     assert [r.passed for r in result.ranks] == [False, False]
+
+
+def test_another_repositorys_row_is_refused_as_stale(env, keys) -> None:
+    env["produced"].write_text(yaml.safe_dump([{**env["row"], "repository": "127.0.0.1:5000/someone/else"}]))
+    fleet = Fleet(keys)
+    with pytest.raises(InputError, match=r"^image is stale: .*\(no produced-image row of vllm-overlay/v41-sm120 has"):
+        api.gate(env["profile"], engines=fleet.factory)
+    assert fleet.calls == [] and receipts_in(env["receipts"]) == []  # refused before any engine was asked
 
 
 def test_no_produced_row_is_refused_before_any_engine_is_asked(env, keys) -> None:

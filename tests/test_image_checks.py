@@ -250,6 +250,19 @@ def test_installed_files_that_differ_from_the_record_are_named(tmp_path, elf):
     )
 
 
+def test_record_entries_outside_site_packages_are_not_checked(tmp_path, elf):
+    """A console script (../../../bin/vllm in vLLM's RECORD) is not part of the tree the overlay
+    patches, and a base that copied site-packages alone (the gate tests' image) lacks it."""
+    site = cuda_tree(tmp_path, elf)
+    [record] = site.glob("vllm-*.dist-info/RECORD")
+    script_hash = record_hash(b"#!/bin/sh\n")
+    record.write_text(record.read_text() + f"../../../bin/vllm,{script_hash},10\n")
+    proc = pins(checks_copy(tmp_path), site, "--accept", "test")
+    assert "vllm: every file in its RECORD has its recorded hash" in proc.stdout, proc.stderr
+    (site / "vllm/__init__.py").write_text("tampered = True\n")  # while a file inside still counts
+    assert "1 installed files differ from its RECORD: vllm/__init__.py" in one_line(pins(checks_copy(tmp_path), site))
+
+
 def test_the_installed_wheels_must_have_the_expected_sha256(tmp_path, elf):
     site = cuda_tree(tmp_path, elf)
     script = checks_copy(tmp_path)

@@ -127,6 +127,23 @@ def registry_image(reference: str, image_key: str) -> RegistryImage:
 LOCAL_RECIPE = "recipes/local.yaml"
 
 
+def pull(client, reference: str, progress: Progress = _stderr) -> None:
+    """Pull ``reference``, streaming a line per layer as it completes (not every byte count: a
+    CUDA base is gigabytes) and the engine's closing status; an error in the stream raises."""
+    from docker.errors import APIError
+
+    layers = 0
+    for chunk in client.api.pull(reference, stream=True, decode=True):
+        if "error" in chunk:
+            raise APIError(str(chunk.get("errorDetail", {}).get("message") or chunk["error"]))
+        status = chunk.get("status", "")
+        if status in ("Pull complete", "Already exists"):
+            layers += 1
+            progress(f"  layer {layers} {chunk.get('id', '')}: {status}")
+        elif status.startswith(("Digest:", "Status:")):
+            progress(f"  {status}")
+
+
 def ensure_base(client, recipe: Recipe, progress: Progress = _stderr) -> None:
     """The base image in the engine, pulled if missing; an unreachable registry is one line that
     names the base and its registry (and the recipe that builds on this machine's own services)."""
@@ -141,7 +158,7 @@ def ensure_base(client, recipe: Recipe, progress: Progress = _stderr) -> None:
     registry = registry_of(base.split("@", 1)[0]) or "docker.io"
     progress(f"pull base {base} from {registry}")
     try:
-        client.images.pull(base)
+        pull(client, base, progress)
     except APIError as exc:
         raise ServiceUnreachable(
             f"base image {base} is not in the engine and cannot be pulled from {registry}"
@@ -160,7 +177,7 @@ def previous_image(client, recipe: Recipe, progress: Progress = _stderr) -> str 
     moving = tags_for_recipe(recipe)
     progress(f"pull {moving} as build cache")
     try:
-        client.images.pull(moving)
+        pull(client, moving, progress)
     except APIError as exc:
         progress(f"  no build cache: {(exc.explanation or str(exc)).strip().splitlines()[0]}")
         return None

@@ -10,6 +10,7 @@ the base image comes from the local registry, as a hosted runner pulls its base.
 
 from __future__ import annotations
 
+import re
 import uuid
 from pathlib import Path
 
@@ -84,6 +85,10 @@ def test_the_fresh_engine_starts_empty_and_builds_b(fresh_b) -> None:
 def test_a_member_change_on_an_empty_engine_reuses_the_pulled_install_layers(fresh_b, pushed_a) -> None:
     log = fresh_b["proc"].stderr
     assert f"pull {pushed_a['repo']}:" in log and "as build cache" in log, log[:2000]
+    # both pulls (the base, then A) stream a line per layer and the engine's closing status
+    assert f"pull base {pushed_a['base']} from " in log
+    assert re.search(r"^  layer \d+ [0-9a-f]{12}: Pull complete$", log, re.M), log[:2000]
+    assert len(re.findall(r"^  Status: Downloaded newer image for ", log, re.M)) == 2, log[:3000]
     ran = steps(log)
     installs = [lines for instruction, lines in ran if "install" in instruction and instruction.startswith("RUN")]
     assert installs, "no install step in the build"

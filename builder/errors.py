@@ -113,3 +113,10 @@ class StorageFailed(OverlayError):
     left half-written."""
 
     exit_code = 3
+
+
+def first_line(exc: BaseException) -> str:
+    """What an exception says, in one line: a Docker engine's own explanation when it gives one
+    (docker-py's APIError), else the exception's text; its type's name when both are empty."""
+    text = str(getattr(exc, "explanation", None) or exc).strip()
+    return (text.splitlines() or [type(exc).__name__])[0]

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from builder import __version__
 from builder.cache import atomic_write
-from builder.errors import InputError, OverlayError, ServiceUnreachable, StorageFailed
+from builder.errors import InputError, OverlayError, ServiceUnreachable, StorageFailed, first_line
 from builder.launch import Profile, Rank, profile_key, rank_argv
 from builder.probe import SELFTEST_MODULE, SelftestRun
 
@@ -605,12 +605,6 @@ def _is_reference_error(exc: BaseException) -> bool:
     return isinstance(exc, InvalidRepository) or (isinstance(exc, APIError) and exc.status_code == 400)
 
 
-def _first_line(exc: BaseException) -> str:
-    explanation = getattr(exc, "explanation", None)
-    text = str(explanation or exc).strip()
-    return (text.splitlines() or [type(exc).__name__])[0]
-
-
 GPU_REFUSAL = "could not select device driver"  # dockerd without the NVIDIA runtime, at start
 
 
@@ -634,7 +628,7 @@ class DockerEngine:
                     client = self.connect(self.url)
                     client.ping()
                 except (DockerException, RequestException, OSError) as exc:
-                    raise RankFailed(f"engine {self.url} cannot be reached: {_first_line(exc)}") from None
+                    raise RankFailed(f"engine {self.url} cannot be reached: {first_line(exc)}") from None
                 self._client = client
             return self._client
 
@@ -645,7 +639,7 @@ class DockerEngine:
         try:
             return fn()
         except (DockerException, RequestException, OSError) as exc:
-            raise RankFailed(f"engine {self.url}: {what}: {_first_line(exc)}") from None
+            raise RankFailed(f"engine {self.url}: {what}: {first_line(exc)}") from None
 
     def find_image(self, image: ImageRef, progress: Progress) -> FoundImage:
         """The row's image in this engine (its local id, or pulled by digest before), else
@@ -666,7 +660,7 @@ class DockerEngine:
                 pass
             except Exception as exc:  # a malformed reference is "not here"; the engine, below
                 if not _is_reference_error(exc):
-                    raise RankFailed(f"engine {self.url}: image lookup: {_first_line(exc)}") from None
+                    raise RankFailed(f"engine {self.url}: image lookup: {first_line(exc)}") from None
         progress(f"gate: pull {image.by_digest} into {self.url}")
         got = self._call(
             f"{image.by_digest} is not there and cannot be pulled", lambda: client.images.pull(image.by_digest)
@@ -711,17 +705,17 @@ class DockerEngine:
                 **options,
             )
         except APIError as exc:
-            line = _first_line(exc)
+            line = first_line(exc)
             if "bind source path does not exist" in line:
                 raise RankFailed(f"checkpoint {job.checkpoint} is not on engine {self.url}'s host") from None
             raise RankFailed(f"engine {self.url}: create: {line}") from None
         except (DockerException, RequestException, OSError) as exc:
-            raise RankFailed(f"engine {self.url}: create: {_first_line(exc)}") from None
+            raise RankFailed(f"engine {self.url}: create: {first_line(exc)}") from None
         try:
             container.start()
         except (DockerException, RequestException, OSError) as exc:
             self._remove_quietly(container.id)
-            line = _first_line(exc)
+            line = first_line(exc)
             if GPU_REFUSAL in line:
                 gpus = ",".join(map(str, job.rank.gpus))
                 raise RankFailed(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from builder import __version__
-from builder.errors import CheckFailed, RegistryUnreachable, ServiceUnreachable
+from builder.errors import CheckFailed, RegistryUnreachable, ServiceUnreachable, first_line
 from builder.key import short_key
 from builder.produced import find_row, record_row
 from builder.recipe import Recipe
@@ -73,7 +73,7 @@ def tag_all(image, tags: Tags) -> None:
 def tags_for(recipe: Recipe, rendered: RenderedImage) -> Tags:
     repo = recipe.image.repository
     return Tags(
-        f"{repo}:rk-{short_key(rendered.runtime_key)}", f"{repo}:ik-{rendered.short_image_key}", tags_for_recipe(recipe)
+        f"{repo}:rk-{short_key(rendered.runtime_key)}", f"{repo}:ik-{rendered.short_image_key}", moving_tag(recipe)
     )
 
 
@@ -162,7 +162,7 @@ def ensure_base(client, recipe: Recipe, progress: Progress = _stderr) -> None:
     except APIError as exc:
         raise ServiceUnreachable(
             f"base image {base} is not in the engine and cannot be pulled from {registry}"
-            f" ({(exc.explanation or str(exc)).strip().splitlines()[0]}); on a machine that cannot reach it,"
+            f" ({first_line(exc)}); on a machine that cannot reach it,"
             f" `make image RECIPE={LOCAL_RECIPE}` builds on the local services `make setup` starts"
         ) from None
 
@@ -174,17 +174,17 @@ def previous_image(client, recipe: Recipe, progress: Progress = _stderr) -> str 
 
     if not registry_of(recipe.image.repository):
         return None
-    moving = tags_for_recipe(recipe)
+    moving = moving_tag(recipe)
     progress(f"pull {moving} as build cache")
     try:
         pull(client, moving, progress)
     except APIError as exc:
-        progress(f"  no build cache: {(exc.explanation or str(exc)).strip().splitlines()[0]}")
+        progress(f"  no build cache: {first_line(exc)}")
         return None
     return moving
 
 
-def tags_for_recipe(recipe: Recipe) -> str:
+def moving_tag(recipe: Recipe) -> str:
     return f"{recipe.image.repository}:{recipe.name}"
 
 

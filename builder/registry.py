@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from builder.cache import KIB, MIB, read_regular
-from builder.errors import InputError, RegistryUnreachable
+from builder.errors import InputError, RegistryUnreachable, first_line
 
 INSECURE_ENV = "VLLM_OVERLAY_INSECURE_REGISTRIES"
 DOCKER_HUB = "registry-1.docker.io"
@@ -193,10 +193,10 @@ class Registry:
                 exc.read(ERROR_LIMIT)
             return exc.code, exc.headers, b""
         except urllib.error.URLError as exc:
-            reason = exc.reason if isinstance(exc.reason, str) else _oneline(exc.reason)
+            reason = exc.reason if isinstance(exc.reason, str) else first_line(exc.reason)
             raise RegistryUnreachable(f"registry {self.host} cannot be reached: {reason}") from None
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            raise RegistryUnreachable(f"registry {self.host} cannot be reached: {_oneline(exc)}") from None
+            raise RegistryUnreachable(f"registry {self.host} cannot be reached: {first_line(exc)}") from None
 
     def _request(
         self,
@@ -376,10 +376,6 @@ def _platform_entry(index: dict[str, Any], os_name: str, arch: str) -> str | Non
             digest = entry.get("digest", "")
             return digest if isinstance(digest, str) and DIGEST_RE.fullmatch(digest) else None
     return None
-
-
-def _oneline(exc: object) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0] or type(exc).__name__
 
 
 # ---------------------------------------------------------------- by reference

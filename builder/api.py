@@ -279,16 +279,9 @@ def gate(
     ``result.table()``).  A stale image is an InputError before any container starts; the
     receipt is written whatever happens once an engine was asked.  ``engines`` maps an engine
     URL to its seam (tests); ``receipts`` overrides $VLLM_OVERLAY_RECEIPTS."""
-    from builder.gate import DEFAULT_TIMEOUT, run_gate
+    from builder.gate import run_gate
 
-    return run_gate(
-        load_profile(profile),
-        static=static,
-        timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
-        engines=engines,
-        receipts=None if receipts is None else Path(receipts),
-        progress=progress,
-    )
+    return _gate_call(run_gate, profile, static, timeout, engines, receipts, progress)
 
 
 def launch_up(
@@ -302,10 +295,24 @@ def launch_up(
 ) -> Any:
     """The gate, then, only when every rank passed in it, each rank's serving container with the
     gated argv (``result.containers``; none after a failed gate)."""
-    from builder.gate import DEFAULT_TIMEOUT
     from builder.gate import launch_up as up
 
-    return up(
+    return _gate_call(up, profile, static, timeout, engines, receipts, progress)
+
+
+def _gate_call(
+    run: Any,
+    profile: Any,
+    static: bool,
+    timeout: float | None,
+    engines: Any,
+    receipts: str | Path | None,
+    progress: Progress,
+) -> Any:
+    """gate and launch up take the same options: the profile loaded, the defaults filled in."""
+    from builder.gate import DEFAULT_TIMEOUT
+
+    return run(
         load_profile(profile),
         static=static,
         timeout=DEFAULT_TIMEOUT if timeout is None else timeout,

@@ -137,6 +137,16 @@ def three_members_agree(lines: list[bytes], make_hunks, counts: collections.Coun
         counts["overlapped"] += bool(overlaps)
 
 
+def as_git_writes_it(body: list[tuple[str, bytes]]) -> tuple[int, int]:
+    """Rewrite ``body`` as git writes it, and give its old and new lengths: a "\\ No newline"
+    context line followed by added lines is written as removed and re-added last."""
+    ends = [i for i, (kind, text) in enumerate(body) if not text.endswith(b"\n")]
+    if ends and body[ends[0]][0] == " " and any(k == "+" for k, _ in body[ends[0] :]):
+        body[ends[0]] = ("-", body[ends[0]][1])
+        body.append(("+", body[ends[0]][1]))
+    return sum(k != "+" for k, _ in body), sum(k != "-" for k, _ in body)
+
+
 def random_hunk(rng: random.Random, lines: list[bytes], number: int) -> Hunk:
     """Old lines mostly taken from the file (so they match, perhaps in several places).
 
@@ -154,13 +164,7 @@ def random_hunk(rng: random.Random, lines: list[bytes], number: int) -> Hunk:
             body.append(("+", rng.choice(ALPHABET[:-1])))
     if not body or rng.random() < 0.3:
         body.insert(rng.randrange(0, len(body) + 1), ("+", rng.choice(ALPHABET[:-1])))
-    ends = [i for i, (kind, text) in enumerate(body) if not text.endswith(b"\n")]
-    if ends and body[ends[0]][0] == " " and any(k == "+" for k, _ in body[ends[0] :]):
-        # "\ No newline" context followed by added lines: git writes it as removed and re-added last
-        body[ends[0]] = ("-", body[ends[0]][1])
-        body.append(("+", body[ends[0]][1]))
-    old_len = sum(k != "+" for k, _ in body)
-    new_len = sum(k != "-" for k, _ in body)
+    old_len, new_len = as_git_writes_it(body)
     # a pure insertion goes at the start (one at the end would run into a last line without newline)
     old_start = rng.choice([1, rng.randrange(2, 20), rng.randrange(2, 20)]) if old_len else rng.choice([0, 1])
     new_start = max(old_start + rng.randrange(-6, 7), 0)
@@ -232,12 +236,7 @@ def hunk_in_order(rng: random.Random, lines: list[bytes], number: int, at: int) 
             body.append(("+", rng.choice(ALPHABET[:-1])))
     if not body or rng.random() < 0.3:
         body.insert(rng.randrange(0, max(len(body), 1)), ("+", rng.choice(ALPHABET[:-1])))
-    ends = [i for i, (kind, text) in enumerate(body) if not text.endswith(b"\n")]
-    if ends and body[ends[0]][0] == " " and any(k == "+" for k, _ in body[ends[0] :]):
-        body[ends[0]] = ("-", body[ends[0]][1])
-        body.append(("+", body[ends[0]][1]))
-    old_len = sum(k != "+" for k, _ in body)
-    new_len = sum(k != "-" for k, _ in body)
+    old_len, new_len = as_git_writes_it(body)
     old_start = (start + 1 if rng.random() < 0.95 else rng.randrange(1, 40)) if old_len else rng.choice([0, 1])
     if old_start == 1 and old_len and rng.random() < 0.7:
         old_start = 2  # mostly not pinned to the start, so that the search is what is tested

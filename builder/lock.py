@@ -275,6 +275,7 @@ def make_lock(recipe: Recipe, progress: Progress) -> Lock:
     if recipe.image.mode != "cuda":
         raise InputError("mode vllm installs nothing: there is nothing to lock", file=recipe.path, field="image.mode")
     path = lock_path(recipe)
+    _refuse_foreign(path)
     indexes = ", ".join((recipe.image.pip.index_url, *recipe.image.pip.extra_index_urls, *recipe.image.pip.find_links))
     progress(f"lock: resolving for {PLATFORM}, Python {recipe.image.python}, from {indexes}")
     # uv's own settings from the environment (UV_INDEX_URL, UV_CONSTRAINT, ...) would change what it resolves.
@@ -306,6 +307,19 @@ def make_lock(recipe: Recipe, progress: Progress) -> Lock:
     if recipe.image.unlocked:
         progress(f"lock: {recipe.path} still says image.unlocked: remove it to build from the lock")
     return lock
+
+
+def _refuse_foreign(path: Path) -> None:
+    """A file at the lock's path that does not start with this tool's header is the user's: never
+    replaced (before uv runs, so nothing is resolved for nothing)."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    try:
+        first = read_regular(path, LOCK_LIMIT, "a lock").split(b"\n", 1)[0]
+    except OSError as exc:
+        raise InputError(f"cannot read what is at the lock's path: {exc.strerror or exc}", file=path) from None
+    if not HEADER_RE.fullmatch(first.decode("utf-8", "replace").rstrip("\r")):
+        raise InputError("is there and is not a lock vllm-overlay wrote: not replacing it", file=path)
 
 
 NETWORK_SIGNS = ("error sending request", "tcp connect error", "dns error", "Connection refused", "timed out")

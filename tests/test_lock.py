@@ -146,6 +146,15 @@ def test_unreachable_index_is_one_line_exit_3_and_writes_nothing(services, tmp_p
     assert {p.name for p in tmp_path.iterdir()} == {"recipe.yaml", lock.name}
 
 
+def test_a_file_at_the_lock_path_that_is_no_lock_is_never_replaced(services, tmp_path):
+    recipe = write_recipe_copy(tmp_path / "recipe.yaml", services, repository("foreign"))
+    lock = lock_of(recipe)
+    lock.write_text("my notes about this recipe\n")
+    line = one_line(run_cli("lock", recipe), 2)
+    assert line == f"vllm-overlay: {lock}: is there and is not a lock vllm-overlay wrote: not replacing it"
+    assert lock.read_text() == "my notes about this recipe\n"
+
+
 def test_requirements_the_index_cannot_meet_are_one_line_exit_1(services, tmp_path):
     recipe = write_recipe_copy(tmp_path / "recipe.yaml", services, repository("unmet"), unlocked="not yet")
     edit(recipe, lambda d: d["flashinfer"].update(version="0.6.18", wheel="flashinfer_python-0.6.18-py3-none-any.whl"))
